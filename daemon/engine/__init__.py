@@ -1,0 +1,1 @@
+"""The serving engine: sequences, paged KV cache, scheduler, model runner, sampler, detokenizer."""

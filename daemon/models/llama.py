@@ -1,0 +1,202 @@
+"""Our Llama-family decoder: Llama 2/3, SmolLM/SmolLM2, TinyLlama, Mistral, Qwen2/2.5, Qwen3.
+
+It runs a flat ragged batch (no padding): ``input_ids[T]`` and ``positions[T]`` from any number of
+sequences, with attention routed through an :class:`AttentionBackend` that reads and writes a
+paged KV cache. q/k/v and gate/up projections are fused into one matmul each; the loader splits
+checkpoint tensors into their shard of the fused weight.
+
+Parameter names follow the Hugging Face checkpoints (``model.layers.N.self_attn...``) except for
+the fused projections, so :meth:`LlamaForCausalLM.load_weights` needs only a small map.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmd.daemon.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from llmd.daemon.config import ModelConfig
+from llmd.daemon.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from llmd.errors import WeightMismatchError
+
+log = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim ** -0.5
+        self.sliding_window = config.sliding_windows[layer_idx]
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+        meta: AttentionMetadata, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+        meta: AttentionMetadata, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), _freeze=True,
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+
+
+# Checkpoint name pattern -> (our parameter name, shard index within the fused weight).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(" + "|".join(re.escape(k) for k in _FUSED) + r")\.(weight|bias)$")
+# Buffers some checkpoints carry that have no parameter here.
+_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    Args:
+        config: the model's shape.
+        dtype: parameter and activation dtype (fp32 on the CPU).
+        attn_backend: where attention runs; the torch reference by default.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.attn_backend = attn_backend or TorchAttentionBackend()
+        self.model = LlamaModel(config, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Run a flat batch of ``T`` tokens; returns final hidden states ``[T, hidden_size]``."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, self.attn_backend)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab_size]`` (fp32) for the rows of ``hidden`` that will be sampled."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters.
+
+        Raises:
+            WeightMismatchError: a tensor's shape disagrees with the config, or a parameter is
+                never loaded.
+        """
+        params = dict(self.named_parameters())
+        missing = {name: self._num_shards(name) for name in params}
+        for name, tensor in weights:
+            if _IGNORED_RE.search(name):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            target_name, shard = name, None
+            if m := _FUSED_RE.match(name):
+                target, shard = _FUSED[m.group(2)]
+                target_name = f"{m.group(1)}{target}.{m.group(3)}"
+            if target_name not in params:
+                log.warning("ignoring checkpoint tensor %s: no such parameter", name)
+                continue
+            param = params[target_name]
+            dest = param.data if shard is None else self._shard(target_name, param.data, shard)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise WeightMismatchError(
+                    f"tensor {name} has shape {tuple(tensor.shape)} but the model config implies "
+                    f"{tuple(dest.shape)}: the weights do not belong to this config"
+                )
+            dest.copy_(tensor)
+            missing[target_name] -= 1
+        not_loaded = sorted(name for name, left in missing.items() if left > 0)
+        if not_loaded:
+            shown = ", ".join(not_loaded[:3]) + (" ..." if len(not_loaded) > 3 else "")
+            raise WeightMismatchError(f"{len(not_loaded)} weights missing from the checkpoint: {shown}")
+
+    def _num_shards(self, name: str) -> int:
+        if ".qkv_proj." in name:
+            return 3
+        return 2 if ".gate_up_proj." in name else 1
+
+    def _shard(self, name: str, data: torch.Tensor, shard: int) -> torch.Tensor:
+        if ".qkv_proj." in name:
+            q, kv = self.config.q_size, self.config.kv_size
+            sizes = [q, kv, kv]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return data.split(sizes, dim=0)[shard]

@@ -1,0 +1,86 @@
+"""Tokenizers and prompts: load the model's tokenizer, apply its chat template, find stop tokens.
+
+For GGUF files transformers builds the tokenizer from the metadata, which takes seconds; the result
+is cached under ``$XDG_CACHE_HOME/llmd/tokenizers`` keyed by the file's path, size and mtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from llmd.daemon.config import ModelConfig
+from llmd.daemon.model_source import ModelSource
+from llmd.errors import InvalidModelError
+
+log = logging.getLogger("llmd")
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmd" / "tokenizers"
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The model's transformers tokenizer (a ``PreTrainedTokenizerBase``).
+
+    Raises:
+        InvalidModelError: the directory has no usable tokenizer files.
+    """
+    from transformers import AutoTokenizer
+
+    if source.kind == "hf_dir":
+        try:
+            return AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise InvalidModelError(
+                f"{source.path} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}"
+            ) from None
+    st = source.path.stat()
+    key = hashlib.sha256(f"{source.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    cached = _cache_dir() / key
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        except (OSError, ValueError, TypeError):
+            log.warning("tokenizer cache %s is unreadable; rebuilding it", cached)
+    log.info("building the tokenizer from %s (once; it is cached)", source.path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InvalidModelError(f"{source.path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
+    try:
+        tokenizer.save_pretrained(str(cached))
+    except OSError as e:  # a read-only home only costs time
+        log.warning("cannot cache the tokenizer in %s: %s", cached, e)
+    return tokenizer
+
+
+def stop_token_ids(tokenizer: Any, config: ModelConfig) -> set[int]:
+    """Tokens that end a generation: the generation config's EOS ids, else the tokenizer's."""
+    ids = set(config.eos_token_ids)
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool | None = None) -> list[int]:
+    """Token ids for ``prompt``: through the chat template when ``chat`` (default: if the model has
+    one), else raw text with the tokenizer's usual special tokens."""
+    if chat is None:
+        chat = has_chat_template(tokenizer)
+    if chat:
+        if not has_chat_template(tokenizer):
+            raise InvalidModelError("this model has no chat template; use --raw")
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(prompt)]

@@ -1,0 +1,205 @@
+"""Reading a GGUF model file: its config, its tensors (dequantised for now) and its tokenizer.
+
+The ``gguf`` package parses the file through a memory map. It trusts the offsets in the header, so
+the file is validated here: the reader's own failures on a short file become a clear error, and
+every tensor's byte range is checked against the file size before any data is touched.
+
+GGUF names tensors the llama.cpp way (``blk.N.attn_q.weight``); :func:`hf_name` maps them to the
+Hugging Face names our model loads. llama.cpp's converter permutes the rows of Llama's q and k
+projections for its interleaved RoPE; :func:`unpermute_qk` undoes it for the rotate-half layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmd.daemon.config import ModelConfig, RopeConfig, supported_models_line
+from llmd.errors import CorruptModelError, InvalidModelError, UnsupportedModelError, UnsupportedTensorTypeError
+
+# GGUF architectures we read, and the model_type each becomes. Mistral GGUFs say "llama".
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Types whose dequantisation the gguf package implements and llmd has tested.
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for tensors with no parameter."""
+    if m := _BLOCK_RE.match(gguf_name):
+        layer_name = _LAYER_NAMES.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{layer_name}.{m.group(3)}" if layer_name else None
+    base, _, kind = gguf_name.rpartition(".")
+    mapped = _GLOBAL_NAMES.get(base)
+    return f"{mapped}.{kind}" if mapped else None
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE -> rotate-half) on ``[out, ...]``."""
+    half_dim = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+class GGUFModelFile:
+    """A validated GGUF file.
+
+    Raises:
+        CorruptModelError: the file is truncated, not GGUF, or a tensor lies outside it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader  # heavy import, only when a GGUF is used
+
+        self.path = path
+        size = path.stat().st_size
+        try:
+            self.reader = GGUFReader(str(path))
+        except Exception as e:  # the reader fails in many ways on a short or garbled file
+            raise CorruptModelError(
+                f"{path} is truncated or corrupt and cannot be read as GGUF ({type(e).__name__}: {e}); "
+                "download or convert it again"
+            ) from None
+        for t in self.reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise CorruptModelError(
+                    f"{path} is truncated or corrupt: tensor {t.name} ends at byte {end} but the file "
+                    f"has {size} bytes; download or convert it again"
+                )
+        self.tensor_names = {t.name for t in self.reader.tensors}
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except Exception:
+            raise CorruptModelError(f"{self.path}: metadata field {key} is unreadable") from None
+
+    @property
+    def architecture(self) -> str:
+        arch = self.field("general.architecture")
+        if arch not in _GGUF_ARCHS:
+            raise UnsupportedModelError(
+                f"GGUF architecture {arch!r} is not supported; supported: "
+                f"{', '.join(_GGUF_ARCHS)} ({supported_models_line()})"
+            )
+        return arch
+
+    def config(self) -> ModelConfig:
+        """The model config from the GGUF metadata."""
+        arch = self.architecture
+        model_type = _GGUF_ARCHS[arch]
+
+        def req(key: str) -> Any:
+            value = self.field(f"{arch}.{key}")
+            if value is None:
+                raise InvalidModelError(f"{self.path}: GGUF metadata lacks {arch}.{key}")
+            return value
+
+        hidden = int(req("embedding_length"))
+        num_heads = int(req("attention.head_count"))
+        num_kv = int(self.field(f"{arch}.attention.head_count_kv", num_heads))
+        num_layers = int(req("block_count"))
+        head_dim = int(self.field(f"{arch}.attention.key_length", hidden // num_heads))
+        vocab = self.field(f"{arch}.vocab_size")
+        if vocab is None:
+            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise InvalidModelError(f"{self.path}: GGUF metadata has neither a vocab size nor a vocabulary")
+            vocab = len(tokens.data)
+        window = self.field(f"{arch}.attention.sliding_window")
+        eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(req("feed_forward_length")),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            max_position_embeddings=int(self.field(f"{arch}.context_length", 2048)),
+            rms_norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope=self._rope(arch),
+            tie_word_embeddings="output.weight" not in self.tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in self.tensor_names,
+            o_proj_bias="blk.0.attn_output.bias" in self.tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensor_names,
+            sliding_windows=(int(window) if window else None,) * num_layers,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        )
+
+    def _rope(self, arch: str) -> RopeConfig:
+        scaling = self.field(f"{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", "linear"):
+            raise UnsupportedModelError(f"GGUF RoPE scaling {scaling!r} is not supported (none, linear)")
+        freq_factors = None
+        if "rope_freqs.weight" in self.tensor_names:  # llama3 scaling, precomputed by the converter
+            t = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")
+            freq_factors = tuple(float(x) for x in self._dequantize(t).reshape(-1))
+        return RopeConfig(
+            theta=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
+            rope_type="linear" if scaling == "linear" else "default",
+            factor=float(self.field(f"{arch}.rope.scaling.factor", 1.0)),
+            freq_factors=freq_factors,
+        )
+
+    def check_tensor_types(self) -> None:
+        """Raise :class:`UnsupportedTensorTypeError` before loading if any tensor type is unknown."""
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+                raise UnsupportedTensorTypeError(
+                    f"{self.path}: tensor {t.name} is stored as GGUF type {t.tensor_type.name}, which llmd "
+                    f"cannot read; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+                )
+
+    def _dequantize(self, t: Any) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dim first
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+
+    def iter_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, fp32 tensor)`` for every weight, dequantised and un-permuted."""
+        self.check_tensor_types()
+        permute = self.architecture == "llama"
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                continue  # e.g. rope_freqs, already folded into the config
+            data = self._dequantize(t)
+            if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+                data = unpermute_qk(data, config.num_heads)
+            elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+                data = unpermute_qk(data, config.num_kv_heads)
+            yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.reader.tensors)

@@ -1,0 +1,139 @@
+"""Tiny random models for tests, built with transformers (the reference) and saved to disk.
+
+Nothing here downloads: configs are written out by hand, weights are random (seeded), and GGUF
+files are written with the ``gguf`` package the way llama.cpp's converter writes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# name -> (transformers config class name, config kwargs). Small enough to run in milliseconds,
+# varied enough to cover each feature: GQA ratios, tied embeddings, RoPE scaling, qkv bias,
+# q/k norm, explicit head_dim, sliding windows.
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               initializer_range=0.2, rms_norm_eps=1e-5)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=False)),
+    "llama3": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "smollm2": ("LlamaConfig", dict(_COMMON, hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
+                                    tie_word_embeddings=True, rope_theta=100000.0)),
+    "tinyllama": ("LlamaConfig", dict(_COMMON, num_attention_heads=8, num_key_value_heads=1,
+                                      tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(_COMMON, sliding_window=16, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(_COMMON, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_hf_model(name: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random-weight transformers model (fp32, eager attention) for one of ``TINY_CONFIGS``."""
+    import transformers
+
+    cls_name, kwargs = TINY_CONFIGS[name]
+    config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # tests generate a fixed number of tokens
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def save_hf_model(model: Any, path: Path) -> Path:
+    model.save_pretrained(str(path))
+    return path
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' own greedy ``generate`` (its KV cache, its masks), new tokens only."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_tokens, do_sample=False,
+                             min_new_tokens=num_tokens, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
+    # What llama.cpp's converter does to Llama q/k rows (rotate-half -> interleaved RoPE).
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(model: Any, path: Path, quantize_type: str = "F32",
+                     extra_tensor: tuple[str, str] | None = None) -> Path:
+    """Write a transformers Llama model as a llama.cpp-style GGUF file.
+
+    Args:
+        quantize_type: GGML type for the 2-D projection weights (``F32``, ``Q8_0``, ``Q4_0``...).
+        extra_tensor: ``(name, ggml_type)`` to add a zero-filled tensor of another type, for tests
+            of unsupported types.
+    """
+    import gguf
+
+    cfg = model.config
+    arch = "llama"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
+    writer.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+    writer.add_float32(f"{arch}.rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
+    names = {
+        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    qtype = gguf.GGMLQuantizationType[quantize_type]
+    for hf, tensor in model.state_dict().items():
+        w = tensor.detach().float().numpy()
+        if hf == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif hf == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif hf == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gname = "output.weight"
+        else:
+            parts = hf.split(".")  # model.layers.N.<module...>.weight
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if hf.endswith("q_proj.weight"):
+            w = _permute_for_gguf(w, cfg.num_attention_heads)
+        elif hf.endswith("k_proj.weight"):
+            w = _permute_for_gguf(w, cfg.num_key_value_heads)
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and gname != "token_embd.weight":
+            writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, w.astype(np.float32))
+    if extra_tensor is not None:
+        name, type_name = extra_tensor
+        etype = gguf.GGMLQuantizationType[type_name]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[etype]
+        writer.add_tensor(name, np.zeros((4, 256 // block_size * type_size), dtype=np.uint8), raw_dtype=etype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_tensor_offset_position(path: Path, tensor_name: str) -> int:
+    """Byte position of ``tensor_name``'s data-offset field in the GGUF tensor-info table."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == tensor_name)
+    # The info record is: name, n_dims, dims, type, offset; the reader keeps each part as a view.
+    offset_part = tensor.field.parts[-1]
+    return int(offset_part.ctypes.data - reader.data.ctypes.data)

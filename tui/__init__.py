@@ -1,0 +1,1 @@
+"""`llmd chat`: the Textual terminal UI. Arrives with the chat UI issue."""
