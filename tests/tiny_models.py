@@ -15,7 +15,7 @@ import torch
 # name -> (transformers config class name, config kwargs). Small enough to run in milliseconds,
 # varied enough to cover each feature: GQA ratios, tied embeddings, RoPE scaling, qkv bias,
 # q/k norm, explicit head_dim, sliding windows.
-_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+_COMMON = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                initializer_range=0.2, rms_norm_eps=1e-5)
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -47,9 +47,33 @@ def make_hf_model(name: str, seed: int = 0, **overrides: Any) -> Any:
     return model.eval()
 
 
-def save_hf_model(model: Any, path: Path) -> Path:
+def save_hf_model(model: Any, path: Path, with_tokenizer: bool = False) -> Path:
     model.save_pretrained(str(path))
+    if with_tokenizer:
+        make_tiny_tokenizer().save_pretrained(str(path))
     return path
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer() -> Any:
+    """A byte-level tokenizer: ids 0-255 are bytes, then three special tokens, chat template included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def hf_greedy(model: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:

@@ -1,0 +1,33 @@
+"""Shared fixtures. Tests never touch the network: HF_HUB_OFFLINE is set before transformers loads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep llmd's caches (e.g. converted tokenizers) out of the user's home, shared per session."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(_session_cache(tmp_path_factory)))
+
+
+_CACHE: list[Path] = []
+
+
+def _session_cache(factory: pytest.TempPathFactory) -> Path:
+    if not _CACHE:
+        _CACHE.append(factory.mktemp("xdg-cache"))
+    return _CACHE[0]
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from llmd.daemon.model_source import default_model_path
+
+    return default_model_path()
