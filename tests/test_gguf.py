@@ -74,6 +74,9 @@ def default_pair(default_model_path: Path):
 def test_default_model_greedy_matches_transformers(default_pair, mode: str, prompt: str) -> None:
     ref, ours, tokenizer = default_pair
     ids = encode_prompt(tokenizer, prompt, chat=mode == "chat")
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([ids])).logits[0]
+    assert (Generator(ours.model).logits(ids) - ref_logits).abs().max().item() < 1e-3
     expected = hf_greedy(ref, ids, 32)
     got = list(Generator(ours.model).stream(ids, GenerateOptions(max_tokens=32, temperature=0)))
     assert got == expected, f"{tokenizer.decode(got)!r} != {tokenizer.decode(expected)!r}"
