@@ -32,7 +32,9 @@ run: setup
 	$(VENV)/bin/llmd generate --temperature 0 "$(PROMPT)"
 
 test: setup
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@# NOTE: the pytest script, not `python -m pytest`: the latter puts the repo root on sys.path,
+	@# where our top-level folders (kernels/, quant/...) would shadow same-named PyPI packages.
+	@$(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
 	exit $$rc
 
