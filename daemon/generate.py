@@ -7,41 +7,19 @@ stays as the unpaged reference that equivalence tests compare the engine against
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from llmd.daemon.attention import AttentionMetadata
+from llmd.daemon.engine.sampler import SampleRequest, Sampler
+from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
 
 
-@dataclass(slots=True)
-class GenerateOptions:
-    """Sampling options for :class:`Generator`. Raises :class:`RequestError` on bad values."""
-
-    max_tokens: int = 256
-    temperature: float = 0.7
-    top_k: int = 40  # 0: no limit
-    top_p: float = 0.9  # 1.0: no limit
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-
-
 class Generator:
-    """Greedy or temperature sampling for one prompt at a time."""
+    """One prompt at a time, sampled by the engine's :class:`Sampler`."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
@@ -79,7 +57,7 @@ class Generator:
         cache = self._new_cache(len(token_ids))
         return self.model.compute_logits(self._forward(token_ids, 0, cache))
 
-    def stream(self, prompt_ids: list[int], options: GenerateOptions,
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
                stop_token_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
         """Yield generated token ids until ``max_tokens`` or a stop token (which is yielded too).
 
@@ -88,35 +66,24 @@ class Generator:
         """
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        total = len(prompt_ids) + options.max_tokens
+        total = len(prompt_ids) + params.max_tokens
         self._check_length(total)
-        rng = torch.Generator(device=self.device)
-        rng.manual_seed(options.seed if options.seed is not None else torch.seed())
+        rng = None
+        if params.seed is not None:
+            rng = torch.Generator(device=self.device)
+            rng.manual_seed(params.seed)
+        sampler = Sampler()
         cache = self._new_cache(total)
         hidden = self._forward(prompt_ids, 0, cache)
         length = len(prompt_ids)
-        for i in range(options.max_tokens):
-            logits = self.model.compute_logits(hidden[-1:])[0]
-            token = _sample(logits, options, rng)
+        output: list[int] = []
+        for i in range(params.max_tokens):
+            logits = self.model.compute_logits(hidden[-1:])
+            token = sampler(logits, [SampleRequest(params, prompt_ids, output, rng)]).token_ids[0]
+            output.append(token)
             yield token
-            if token in stop_token_ids or i == options.max_tokens - 1:
+            if token in stop_token_ids or i == params.max_tokens - 1:
                 return
             hidden = self._forward([token], length, cache)
             length += 1
 
-
-def _sample(logits: torch.Tensor, options: GenerateOptions, rng: torch.Generator) -> int:
-    if options.temperature == 0:
-        return int(torch.argmax(logits))
-    logits = logits / options.temperature
-    if 0 < options.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, options.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if options.top_p < 1:
-        # Keep the smallest set of tokens whose probability reaches top_p (always the top one).
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= options.top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=rng))

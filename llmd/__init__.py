@@ -13,4 +13,18 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+_LAZY = {
+    "LLM": "llmd.daemon.engine.llm",
+    "SamplingParams": "llmd.daemon.engine.sampling_params",
+}
+
+
+def __getattr__(name: str) -> object:
+    # NOTE: lazy, so `import llmd` (and the CLI's --help) does not pay for torch.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llmd' has no attribute {name!r}")

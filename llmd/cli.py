@@ -70,28 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llmd.daemon.engine.detokenizer import IncrementalDetokenizer
-    from llmd.daemon.generate import GenerateOptions, Generator
-    from llmd.daemon.loader import load_model
-    from llmd.daemon.model_source import resolve_model
-    from llmd.daemon.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from llmd.daemon.engine.llm import LLM
+    from llmd.daemon.engine.sampling_params import SamplingParams
+    from llmd.daemon.tokenizer import encode_prompt
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    options = GenerateOptions(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed)
-    source = resolve_model(args.model)
-    loaded = load_model(source)
-    tokenizer = load_tokenizer(source)
-    prompt_ids = encode_prompt(tokenizer, prompt, args.chat)
-    stops = stop_token_ids(tokenizer, loaded.config)
-    detok = IncrementalDetokenizer(tokenizer)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    llm = LLM(args.model)
+    prompt_ids = encode_prompt(llm.tokenizer, prompt, args.chat)
     out = sys.stdout
-    for token in Generator(loaded.model).stream(prompt_ids, options, stops):
-        if token in stops:
-            break
-        out.write(detok.push(token))
+    for delta in llm.stream(prompt_ids, params):
+        out.write(delta.text)
         out.flush()
-    out.write(detok.flush() + "\n")
+    out.write("\n")
     out.flush()
     return 0
 

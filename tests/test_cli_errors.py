@@ -192,7 +192,7 @@ def test_prompt_too_long(capsys, hf_dir: Path) -> None:
     # The tiny model's context is 256 positions.
     code, err = run_cli(capsys, "--model", str(hf_dir), "--max-tokens", "300")
     assert code == 1
-    assert "context is 256" in error_line(err)
+    assert "context holds 256" in error_line(err)
 
 
 def test_missing_tokenizer(capsys, hf_dir: Path, tmp_path: Path) -> None:

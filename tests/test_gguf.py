@@ -10,7 +10,8 @@ import pytest
 import torch
 from tiny_models import hf_greedy, make_hf_model, write_llama_gguf
 
-from llmd.daemon.generate import GenerateOptions, Generator
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import ModelSource, resolve_model
 from llmd.daemon.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
@@ -35,7 +36,7 @@ def test_tiny_gguf_matches_transformers(name: str, tmp_path: Path) -> None:
         ref = hf(torch.tensor([ids])).logits[0]
     got = Generator(ours.model).logits(ids)
     assert (got - ref).abs().max().item() < 1e-4
-    assert list(Generator(ours.model).stream(ids, GenerateOptions(max_tokens=16, temperature=0))) == \
+    assert list(Generator(ours.model).stream(ids, SamplingParams(max_tokens=16, temperature=0))) == \
         hf_greedy(hf, ids, 16)
 
 
@@ -78,7 +79,7 @@ def test_default_model_greedy_matches_transformers(default_pair, mode: str, prom
         ref_logits = ref(torch.tensor([ids])).logits[0]
     assert (Generator(ours.model).logits(ids) - ref_logits).abs().max().item() < 1e-3
     expected = hf_greedy(ref, ids, 32)
-    got = list(Generator(ours.model).stream(ids, GenerateOptions(max_tokens=32, temperature=0)))
+    got = list(Generator(ours.model).stream(ids, SamplingParams(max_tokens=32, temperature=0)))
     assert got == expected, f"{tokenizer.decode(got)!r} != {tokenizer.decode(expected)!r}"
 
 
@@ -88,6 +89,6 @@ def test_default_model_answers_paris(default_pair) -> None:
     ids = encode_prompt(tokenizer, "What is the capital of France?")
     stops = stop_token_ids(tokenizer, ours.config)
     assert tokenizer.convert_ids_to_tokens(sorted(stops)) == ["<|im_end|>"]
-    out = list(Generator(ours.model).stream(ids, GenerateOptions(max_tokens=32, temperature=0), stops))
+    out = list(Generator(ours.model).stream(ids, SamplingParams(max_tokens=32, temperature=0), stops))
     assert out[-1] in stops
     assert "Paris" in tokenizer.decode(out, skip_special_tokens=True)

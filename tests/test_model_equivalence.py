@@ -12,7 +12,8 @@ import pytest
 import torch
 from tiny_models import TINY_CONFIGS, hf_greedy, make_hf_model, save_hf_model
 
-from llmd.daemon.generate import GenerateOptions, Generator
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 
@@ -43,7 +44,7 @@ def test_greedy_32_tokens_match_generate(pair) -> None:
         ids = torch.randint(0, hf.config.vocab_size, (7 + 20 * seed,),
                             generator=torch.Generator().manual_seed(100 + seed)).tolist()
         expected = hf_greedy(hf, ids, 32)
-        got = list(Generator(ours.model).stream(ids, GenerateOptions(max_tokens=32, temperature=0)))
+        got = list(Generator(ours.model).stream(ids, SamplingParams(max_tokens=32, temperature=0)))
         assert got == expected, f"{name}: greedy tokens differ"
 
 

@@ -1,0 +1,226 @@
+"""The step loop: requests in, scheduled batches through the model, text deltas out.
+
+The engine is single-threaded and synchronous; whoever owns it (``llmd.LLM``, the daemon's server)
+calls :meth:`LLMEngine.step` in a loop and routes the deltas it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmd.daemon.engine.detokenizer import RequestDetokenizer
+from llmd.daemon.engine.kv_cache_manager import KVCacheManager
+from llmd.daemon.engine.model_runner import ModelRunner, kv_block_bytes
+from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.engine.scheduler import Scheduler, SchedulerConfig
+from llmd.daemon.engine.sequence import FinishReason, Sequence
+from llmd.daemon.engine.stats import EngineStats, ThroughputMeter
+from llmd.daemon.models import LlamaForCausalLM
+from llmd.errors import PromptTooLongError, RequestError
+
+DEFAULT_CPU_KV_CACHE_MB = 1024
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine knobs. Raises ``ValueError`` with the fix in the message.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_mb: memory for the KV pool; default: 1 GiB on the CPU, capped at a quarter of
+            the available RAM.
+        num_blocks: exact pool size (overrides ``kv_cache_mb``; tests use tiny pools).
+        max_num_seqs: sequences running at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_model_len: longest sequence (prompt + output); default and cap: the model's context.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+    """
+
+    block_size: int = 16
+    kv_cache_mb: int | None = None
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size!r}")
+        for name in ("kv_cache_mb", "num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _available_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detok: RequestDetokenizer
+    logprobs: list[Logprob] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Args:
+        model: the loaded model.
+        tokenizer: its transformers tokenizer (for detokenizing and stop strings).
+        config: engine knobs.
+        eos_token_ids: tokens that end a generation unless ``ignore_eos``.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Any, config: EngineConfig | None = None,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
+                                 model.config.max_position_embeddings)
+        self.num_blocks = config.num_blocks or self._blocks_for_budget()
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
+        )
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size)
+        self.requests: dict[str, _Request] = {}
+        self.meter = ThroughputMeter()
+
+    def _blocks_for_budget(self) -> int:
+        cfg = self.config
+        budget_mb = cfg.kv_cache_mb or min(DEFAULT_CPU_KV_CACHE_MB, _available_ram_bytes() // 4 >> 20)
+        per_block = kv_block_bytes(self.model, cfg.block_size, self.model.dtype)
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never used
+        return max(1, min((budget_mb << 20) // per_block, useful))
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can ever hold."""
+        return min(self.max_model_len, self.num_blocks * self.config.block_size)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    owner: Any = None) -> Sequence:
+        """Queue a request.
+
+        Raises:
+            RequestError: duplicate id, empty prompt or out-of-vocabulary token ids.
+            PromptTooLongError: prompt + max_tokens can never fit the context or the KV pool.
+        """
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_request_tokens:
+            where = "context" if self.max_request_tokens == self.max_model_len else "KV cache"
+            raise PromptTooLongError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} "
+                f"tokens but the {where} holds {self.max_request_tokens}; shorten the prompt or lower max_tokens"
+            )
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, owner=owner)
+        self.requests[request_id] = _Request(seq, RequestDetokenizer(self.tokenizer, params.stop))
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Cancel a request; returns its final delta, or None if it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, FinishReason.ABORT)
+        self.runner.release(request_id)
+        return RequestDelta(request_id, "", [], finished=True, finish_reason=FinishReason.ABORT.value,
+                            metrics=RequestMetrics.of(req.seq))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        """Schedule, run the model once, sample, and return every request's new output."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        start = time.monotonic()
+        num_prompt = sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
+                         for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        sampled, result = self.runner.run(batch)
+        self.scheduler.update(batch, sampled)
+        self.meter.record(start, num_prompt, sum(t is not None for t in sampled))
+        logprobs = iter(result.logprobs if result is not None else ())
+        deltas = []
+        for seq, token in zip(batch.seqs, sampled):
+            if token is None:
+                continue
+            lp = next(logprobs)
+            req = self.requests.get(seq.request_id)
+            if req is None:  # aborted during the step
+                continue
+            deltas.append(self._emit(req, token, lp))
+        return deltas
+
+    def _emit(self, req: _Request, token: int, lp: Logprob | None) -> RequestDelta:
+        seq = req.seq
+        if lp is not None:
+            req.logprobs.append(lp)
+        stopped_by_token = seq.finish_reason is FinishReason.STOP
+        text, stopped = ("", False) if stopped_by_token else req.detok.push(token)
+        if stopped:
+            self.scheduler.finish(seq, FinishReason.STOP)
+        elif seq.is_finished:
+            rest, stopped = req.detok.flush()
+            text += rest
+            if stopped and seq.finish_reason is FinishReason.LENGTH:
+                seq.finish_reason = FinishReason.STOP
+        delta = RequestDelta(seq.request_id, text, [token], logprobs=[lp] if lp is not None else [])
+        if seq.is_finished:
+            delta.finished = True
+            delta.finish_reason = seq.finish_reason.value
+            delta.metrics = RequestMetrics.of(seq)
+            del self.requests[seq.request_id]
+            self.runner.release(seq.request_id)
+        return delta
+
+    def get_text(self, request_id: str) -> str | None:
+        req = self.requests.get(request_id)
+        return None if req is None else req.detok.text
+
+    def stats(self) -> EngineStats:
+        usage = self.kv.usage
+        prefill_tps, decode_tps = self.meter.rates()
+        sched = self.scheduler
+        return EngineStats(
+            num_blocks=usage.num_blocks,
+            block_size=self.config.block_size,
+            num_blocks_used=usage.num_used,
+            num_blocks_cached_free=usage.num_cached_free,
+            num_blocks_free=usage.num_free,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_hit_rate=sched.num_prefix_hit_tokens / max(sched.num_prefix_query_tokens, 1),
+            prefill_tokens_per_s=prefill_tps,
+            decode_tokens_per_s=decode_tps,
+            num_prompt_tokens_total=self.meter.num_prefill_total,
+            num_generated_tokens_total=self.meter.num_decode_total,
+            num_steps=self.meter.num_steps,
+        )

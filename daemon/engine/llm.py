@@ -1,0 +1,126 @@
+"""``llmd.LLM``: the engine in-process, for scripts, tests and benchmarks.
+
+    from llmd import LLM, SamplingParams
+    llm = LLM()  # the default model
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(out[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Sequence as Seq
+from typing import Any
+
+from llmd.daemon.engine.engine import EngineConfig, LLMEngine
+from llmd.daemon.engine.outputs import RequestDelta, RequestMetrics, RequestOutput
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.errors import RequestError
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """Load a model and run the engine in this process.
+
+    Args:
+        model: ``--model`` value (path, repo id in the HF cache, or None for the default model).
+        **engine_config: :class:`EngineConfig` fields (``num_blocks``, ``block_size``,
+            ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, **engine_config: Any) -> None:
+        from llmd.daemon.loader import load_model
+        from llmd.daemon.model_source import resolve_model
+        from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
+
+        source = resolve_model(model)
+        loaded = load_model(source)
+        self.source = source
+        self.tokenizer = load_tokenizer(source)
+        self.engine = LLMEngine(loaded.model, self.tokenizer, EngineConfig(**engine_config),
+                                eos_token_ids=stop_token_ids(self.tokenizer, loaded.config))
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return [int(t) for t in self.tokenizer.encode(prompt)]
+        return list(prompt)
+
+    def apply_chat_template(self, messages: Messages) -> list[int]:
+        from llmd.daemon.tokenizer import has_chat_template
+
+        if not has_chat_template(self.tokenizer):
+            raise RequestError("this model has no chat template; use generate() with a plain prompt")
+        return [int(t) for t in self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts (text or token ids) to completion, all batched together; outputs in order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([self.encode(p) for p in prompts], params)
+
+    def chat(self, messages: Messages | Seq[Messages],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Like :meth:`generate` for chat conversations (lists of ``{"role", "content"}``)."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        return self._run([self.apply_chat_template(m) for m in messages], params)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestDelta]:
+        """Yield the deltas of one request as the engine produces them."""
+        request_id = f"stream-{next(self._ids)}"
+        self.engine.add_request(request_id, self.encode(prompt), params or SamplingParams())
+        try:
+            while True:
+                for delta in self.engine.step():
+                    if delta.request_id == request_id:
+                        yield delta
+                        if delta.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+
+    def _run(self, token_ids: list[list[int]], params: SamplingParams | Seq[SamplingParams] | None
+             ) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(token_ids)
+        if len(params) != len(token_ids):
+            raise RequestError(f"{len(params)} sampling params for {len(token_ids)} prompts")
+        ids = [f"gen-{next(self._ids)}" for _ in token_ids]
+        added = []
+        try:
+            for rid, toks, p in zip(ids, token_ids, params):
+                self.engine.add_request(rid, toks, p)
+                added.append(rid)
+            collected: dict[str, list[RequestDelta]] = {rid: [] for rid in ids}
+            done = 0
+            while done < len(ids):
+                for delta in self.engine.step():
+                    if delta.request_id in collected:
+                        collected[delta.request_id].append(delta)
+                        done += delta.finished
+        finally:
+            for rid in added:
+                self.engine.abort_request(rid)
+        return [_join(rid, toks, collected[rid]) for rid, toks in zip(ids, token_ids)]
+
+
+def _join(request_id: str, prompt_ids: list[int], deltas: list[RequestDelta]) -> RequestOutput:
+    last = deltas[-1]
+    metrics = last.metrics
+    if metrics is None:  # cannot happen for a finished request; keeps the type honest
+        raise RuntimeError(f"request {request_id} finished without metrics")
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    return RequestOutput(
+        request_id=request_id, prompt_token_ids=prompt_ids, text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids], finish_reason=last.finish_reason,
+        metrics=metrics, logprobs=logprobs or None,
+    )
+
+
+__all__ = ["LLM", "RequestMetrics"]

@@ -1,0 +1,97 @@
+"""The one object passed between scheduler, KV cache manager, model runner and engine.
+
+A sequence has no prefill or decode phase: ``num_computed_tokens`` chases ``num_tokens`` (prompt
+plus output so far). Whatever is not yet computed is scheduled, in chunks if it is long; when the
+two meet, the step samples a token and ``num_tokens`` moves one ahead again.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmd.daemon.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the client or the engine
+
+
+@dataclass(slots=True)
+class Timings:
+    """Wall-clock marks (``time.monotonic()``) of one request's life."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request inside the engine. Identity semantics: two sequences are never equal."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    owner: Any = None  # the client that asked (the daemon's identity), opaque here
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)  # the block table
+    block_hashes: list[bytes] = field(default_factory=list)  # one per full block of token_ids
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    timings: Timings = field(default_factory=Timings)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        now = time.monotonic()
+        if self.timings.first_token is None:
+            self.timings.first_token = now
+        self.timings.token_times.append(now)
