@@ -161,3 +161,36 @@ def gguf_tensor_offset_position(path: Path, tensor_name: str) -> int:
     # The info record is: name, n_dims, dims, type, offset; the reader keeps each part as a view.
     offset_part = tensor.field.parts[-1]
     return int(offset_part.ctypes.data - reader.data.ctypes.data)
+
+
+def make_engine(model_dir: Path, **config: Any) -> Any:
+    """An :class:`LLMEngine` over a saved model directory (tokenizer files included)."""
+    from llmd.daemon.engine.engine import EngineConfig, LLMEngine
+    from llmd.daemon.loader import load_model
+    from llmd.daemon.model_source import resolve_model
+    from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
+
+    source = resolve_model(model_dir)
+    loaded = load_model(source)
+    tokenizer = load_tokenizer(source)
+    return LLMEngine(loaded.model, tokenizer, EngineConfig(**config),
+                     eos_token_ids=stop_token_ids(tokenizer, loaded.config))
+
+
+def run_engine(engine: Any, requests: list[tuple[int, str, list[int], Any]], max_steps: int = 100_000
+               ) -> dict[str, list[int]]:
+    """Drive ``engine`` until idle. ``requests`` are ``(arrival_step, id, prompt_ids, params)``;
+    returns each request's generated token ids."""
+    pending = sorted(requests, key=lambda r: r[0])
+    out: dict[str, list[int]] = {r[1]: [] for r in requests}
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, rid, ids, params = pending.pop(0)
+            engine.add_request(rid, ids, params)
+        for delta in engine.step():
+            out[delta.request_id].extend(delta.token_ids)
+        step += 1
+        if step > max_steps:
+            raise RuntimeError("engine did not drain")
+    return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from llmd.daemon.engine.block_pool import Block, BlockPool
 from llmd.daemon.engine.sequence import Sequence
 
-_ROOT_HASH = hashlib.sha256(b"llmd prefix cache v1").digest()
+ROOT_HASH = hashlib.sha256(b"llmd prefix cache v1").digest()
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,7 +63,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else _ROOT_HASH, seq.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
         """The longest cached prefix of ``seq`` as ``(blocks, num_tokens)``; takes no references."""

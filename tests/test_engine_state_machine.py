@@ -1,0 +1,114 @@
+"""Hypothesis drives the engine with random adds, steps, aborts and forced preemptions, and checks
+the block accounting after every action: no block both free and owned, ref counts equal owners,
+no double free, and no leak once everything has drained."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from tiny_models import make_engine, make_hf_model, save_hf_model
+
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.errors import PromptTooLongError
+
+SHARED = list(range(10, 30))  # a 20-token prefix some prompts share (5 blocks of 4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("sm") / "m", with_tokenizer=True)
+
+
+def check_block_accounting(engine) -> None:
+    pool = engine.kv.pool
+    owners: Counter[int] = Counter()
+    for seq in engine.scheduler.running:
+        assert len(set(seq.block_ids)) == len(seq.block_ids), "a sequence holds a block twice"
+        owners.update(seq.block_ids)
+    for seq in engine.scheduler.waiting:
+        assert seq.block_ids == [], "a waiting sequence holds blocks"
+    free = [b.block_id for b in pool.free_queue]
+    assert len(free) == len(set(free)), "a block is in the free queue twice"
+    assert len(free) == pool.num_free_blocks
+    for block in pool.blocks:
+        assert block.ref_cnt == owners[block.block_id], f"block {block.block_id} ref count != owners"
+        assert (block.ref_cnt == 0) == (block.block_id in set(free)), f"block {block.block_id} free and owned"
+    for block_hash, block in pool.cached.items():
+        assert block.block_hash == block_hash
+    assert pool.num_cached_free == sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    engine_dir: Path
+
+    @initialize(num_blocks=st.integers(8, 24), chunk=st.sampled_from([1, 3, 8, 64]),
+                caching=st.booleans())
+    def setup(self, num_blocks: int, chunk: int, caching: bool) -> None:
+        self.engine = make_engine(self.engine_dir, num_blocks=num_blocks, block_size=4,
+                                  max_num_batched_tokens=chunk, enable_prefix_caching=caching, max_num_seqs=6)
+        self.next_id = 0
+        self.live: set[str] = set()
+
+    @rule(length=st.integers(1, 30), max_tokens=st.integers(1, 12), shared=st.booleans())
+    def add(self, length: int, max_tokens: int, shared: bool) -> None:
+        ids = (SHARED if shared else []) + [(7 * self.next_id + i) % 250 for i in range(length)]
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        try:
+            self.engine.add_request(rid, ids, params)
+        except PromptTooLongError:
+            assert len(ids) + max_tokens > self.engine.max_request_tokens
+            return
+        self.live.add(rid)
+
+    @rule()
+    def step(self) -> None:
+        for delta in self.engine.step():
+            if delta.finished:
+                self.live.discard(delta.request_id)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        assert self.engine.abort_request(rid) is not None
+        assert self.engine.abort_request(rid) is None  # a second abort is a no-op
+        self.live.discard(rid)
+
+    @precondition(lambda self: self.engine.scheduler.running)
+    @rule()
+    def force_preemption(self) -> None:
+        sched = self.engine.scheduler
+        sched._preempt(sched.running.pop())
+
+    @invariant()
+    def accounting(self) -> None:
+        if hasattr(self, "engine"):
+            check_block_accounting(self.engine)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        for _ in range(2000):
+            if not self.engine.has_unfinished():
+                break
+            self.engine.step()
+            check_block_accounting(self.engine)
+        assert not self.engine.has_unfinished(), "the engine did not drain"
+        assert self.engine.kv.pool.num_free_blocks == self.engine.kv.num_blocks, "blocks leaked"
+        assert not self.engine.requests and not self.engine.runner._generators
+
+
+def test_engine_state_machine(model_dir: Path) -> None:
+    EngineMachine.engine_dir = model_dir
+    EngineMachine.TestCase.settings = settings(
+        max_examples=40, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+    EngineMachine.TestCase().runTest()
