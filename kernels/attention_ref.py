@@ -68,8 +68,25 @@ def paged_attention(
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
-    start = 0
+    starts = [0] * len(query_lens)
+    for i in range(1, len(query_lens)):
+        starts[i] = starts[i - 1] + query_lens[i - 1]
+    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode_rows:
+        # NOTE: decode rows (one new token each) go through one batched computation instead of
+        # one SDPA call per sequence: with many streams the per-call overhead dominated a step.
+        token_idx = torch.tensor([starts[i] for i in decode_rows], device=query.device)
+        out[token_idx] = decode_attention(
+            query[token_idx], k_cache, v_cache, [seq_lens[i] for i in decode_rows],
+            block_tables[decode_rows], scale, sliding_window,
+        )
+        done = set(decode_rows)
+    else:
+        done = set()
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        if i in done:
+            continue
+        start = starts[i]
         num_blocks = -(-s_len // block_size)
         block_ids = block_tables[i, :num_blocks]
         k = gather_context(k_cache, block_ids, s_len).to(query.dtype)
@@ -84,8 +101,42 @@ def paged_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
         )
         out[start:start + q_len] = o.transpose(0, 1)
-        start += q_len
     return out
+
+
+def decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: list[int],
+    block_tables: torch.Tensor, scale: float, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention for a batch of single-token queries, each the newest token of its sequence.
+
+    Args:
+        query: ``[B, num_heads, head_dim]``.
+        seq_lens: context length per row (the query token included).
+        block_tables: ``[B, >= max blocks]``.
+
+    Returns:
+        ``[B, num_heads, head_dim]``.
+    """
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = max(seq_lens)
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks]
+    # [B, L, KVH, D] padded to the longest context; padding is masked below.
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype)
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype)
+    q = query.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
+    lens = torch.tensor(seq_lens, device=query.device)
+    k_pos = torch.arange(max_len, device=query.device)
+    visible = k_pos[None, :] < lens[:, None]
+    if sliding_window is not None:
+        visible &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # fp32 softmax for bf16/fp16
+    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(batch, num_heads, head_dim)
 
 
 def _causal_mask(q_len: int, s_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:

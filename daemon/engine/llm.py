@@ -27,20 +27,25 @@ class LLM:
 
     Args:
         model: ``--model`` value (path, repo id in the HF cache, or None for the default model).
+        dtype: ``auto`` (bf16 where the CPU multiplies it natively, else fp32), ``float32``,
+            ``bfloat16`` or ``float16``.
         **engine_config: :class:`EngineConfig` fields (``num_blocks``, ``block_size``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
     """
 
-    def __init__(self, model: str | os.PathLike[str] | None = None, **engine_config: Any) -> None:
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str = "auto",
+                 **engine_config: Any) -> None:
+        from llmd.daemon.device import resolve_dtype
         from llmd.daemon.loader import load_model
         from llmd.daemon.model_source import resolve_model
         from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
 
         source = resolve_model(model)
-        loaded = load_model(source)
+        config = EngineConfig(**engine_config)  # validate before the slow part
+        loaded = load_model(source, dtype=resolve_dtype(dtype))
         self.source = source
         self.tokenizer = load_tokenizer(source)
-        self.engine = LLMEngine(loaded.model, self.tokenizer, EngineConfig(**engine_config),
+        self.engine = LLMEngine(loaded.model, self.tokenizer, config,
                                 eos_token_ids=stop_token_ids(self.tokenizer, loaded.config))
         self._ids = itertools.count()
 
