@@ -21,7 +21,9 @@ QUESTIONS = [
 
 
 def prompts_for(llm, n: int) -> list[list[int]]:
-    return [llm.apply_chat_template([{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}])
+    # NOTE: unique per run (the run size is in the text) so no run is served from an earlier one's
+    # prefix cache; the system prompt stays shared, as it is for real chat traffic.
+    return [llm.apply_chat_template([{"role": "user", "content": f"({n}.{i}) {QUESTIONS[i % len(QUESTIONS)]}"}])
             for i in range(n)]
 
 
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batched-tokens", type=int, default=512)
+    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (default: auto)")
     parser.add_argument("--hf", action="store_true", help="also run transformers generate, one request at a time")
     parser.add_argument("--hf-streams", type=int, default=4, help="requests for the transformers run")
     args = parser.parse_args()
@@ -79,9 +82,10 @@ def main() -> None:
 
     from llmd import LLM
 
-    llm = LLM(max_num_batched_tokens=args.max_batched_tokens)
+    llm = LLM(max_num_batched_tokens=args.max_batched_tokens, dtype=args.dtype)
     run_llmd(llm, 2, 8)  # warm-up
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.max_tokens} new tokens per stream")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {llm.engine.model.dtype}, "
+          f"{args.max_tokens} new tokens per stream, max_num_batched_tokens {args.max_batched_tokens}")
     header = f"{'engine':<14}{'streams':>8}{'agg tok/s':>11}{'stream tok/s':>14}{'TTFT p50':>10}{'TTFT max':>10}"
     print(header)
     rows = [("llmd", run_llmd(llm, n, args.max_tokens)) for n in args.streams]

@@ -125,9 +125,11 @@ def decode_attention(
     num_blocks = -(-max_len // block_size)
     tables = block_tables[:, :num_blocks]
     # [B, L, KVH, D] padded to the longest context; padding is masked below.
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype)
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype)
-    q = query.view(batch, num_kv_heads, group, head_dim)
+    # NOTE: computed in fp32 whatever the cache dtype: on the CPU, bf16 batched matmuls of these
+    # small shapes cost several times more than the fp32 ones, and fp32 is also more accurate.
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].float()
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].float()
+    q = query.view(batch, num_kv_heads, group, head_dim).float()
     scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
     lens = torch.tensor(seq_lens, device=query.device)
     k_pos = torch.arange(max_len, device=query.device)
@@ -135,8 +137,8 @@ def decode_attention(
     if sliding_window is not None:
         visible &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # fp32 softmax for bf16/fp16
-    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(batch, num_heads, head_dim)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
 def _causal_mask(q_len: int, s_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
