@@ -20,7 +20,7 @@ def test_generate_streams_greedy_text(capsys, tmp_path: Path) -> None:
     tok = make_tiny_tokenizer()
     prompt_ids = tok.encode("Once upon a time")
     expected = tok.decode(hf_greedy(hf, prompt_ids, 12), skip_special_tokens=True)
-    code = main(["generate", "Once upon a time", "--model", str(path), "--raw", "--temperature", "0",
+    code = main(["generate", "Once upon a time", "--model", str(path), "--raw", "--temperature", "0", "--dtype", "float32",
                  "--max-tokens", "12"])
     out = capsys.readouterr()
     assert code == 0, out.err
@@ -38,7 +38,8 @@ def test_generate_chat_template_and_stop(capsys, tmp_path: Path) -> None:
     k = next(i for i in range(3, 20) if greedy[i] not in greedy[:i])
     hf.generation_config.eos_token_id = greedy[k]
     path = save_hf_model(hf, tmp_path / "chat", with_tokenizer=True)
-    code = main(["generate", "hi", "--model", str(path), "--chat", "--temperature", "0", "--max-tokens", "20"])
+    code = main(["generate", "hi", "--model", str(path), "--chat", "--temperature", "0", "--max-tokens", "20",
+                 "--dtype", "float32"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert out.out == tok.decode(greedy[:k], skip_special_tokens=True) + "\n"
