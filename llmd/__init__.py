@@ -13,9 +13,11 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["AsyncClient", "Client", "LLM", "SamplingParams", "__version__"]
 
 _LAZY = {
+    "Client": "llmd.client",
+    "AsyncClient": "llmd.client",
     "LLM": "llmd.daemon.engine.llm",
     "SamplingParams": "llmd.daemon.engine.sampling_params",
 }

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from llmd import __version__
 from llmd.errors import LlmdError
@@ -67,26 +68,222 @@ def build_parser() -> argparse.ArgumentParser:
                       help="apply the model's chat template (the default for chat models)")
     mode.add_argument("--raw", dest="chat", action="store_false",
                       help="feed the prompt as plain text, without the chat template")
+    gen.add_argument("--socket-dir", default=None, help="the daemon's runtime directory (default: per user)")
     gen.set_defaults(func=cmd_generate)
+
+    start = sub.add_parser("start", help="start the daemon in the background",
+                           description="Load a model and serve it to local clients over ZeroMQ.")
+    start.add_argument("--model", "-m", default=None, help="as for `llmd generate` (default: SmolLM2-135M)")
+    start.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    start.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    start.add_argument("--kv-cache-mb", type=_positive_int, default=None,
+                       help="memory for the KV cache (default: 1024, at most a quarter of free RAM)")
+    start.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
+    start.add_argument("--max-num-seqs", type=_positive_int, default=64, help="requests running at once (default: 64)")
+    start.add_argument("--max-batched-tokens", type=_positive_int, default=512,
+                       help="tokens per engine step, prompt chunks and decodes together (default: 512)")
+    start.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       help="do not reuse KV blocks of shared prompt prefixes")
+    start.add_argument("--max-queue-len", type=_positive_int, default=256,
+                       help="waiting requests beyond which new ones are refused as overloaded (default: 256)")
+    start.add_argument("--socket-dir", default=None,
+                       help="runtime directory for sockets and the connection file "
+                            "(default: $XDG_RUNTIME_DIR/llmd or /tmp/llmd-UID)")
+    start.add_argument("--tcp", default=None, metavar="HOST:PORT",
+                       help="also serve on TCP (loopback unless you name another address; always signed)")
+    start.add_argument("--foreground", action="store_true", help="stay attached (for systemd and debugging)")
+    start.set_defaults(func=cmd_start)
+
+    stop = sub.add_parser("stop", help="stop the daemon (in-flight requests finish first)")
+    stop.add_argument("--socket-dir", default=None)
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit (default: 60)")
+    stop.set_defaults(func=cmd_stop)
+
+    status = sub.add_parser("status", help="is the daemon running, and how busy is it")
+    status.add_argument("--socket-dir", default=None)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=cmd_status)
     return parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from llmd.client import DaemonNotRunningError, load_connection
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        connection = load_connection(args.socket_dir)
+    except DaemonNotRunningError:
+        connection = None
+    if connection is not None and args.model is not None and \
+            str(Path(args.model).expanduser().resolve()) != connection.get("model_path"):
+        logging.getLogger("llmd").info("the running daemon serves %s, not %s; running in this process",
+                                       connection.get("model"), args.model)
+        connection = None
+    if connection is None:
+        logging.getLogger("llmd").info("no llmd daemon is running: loading the model in this process "
+                                       "(`llmd start` keeps it loaded for every request)")
+        return _generate_in_process(args, prompt)
+    return _generate_with_daemon(args, prompt, connection)
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
+    return kwargs
+
+
+def _generate_in_process(args: argparse.Namespace, prompt: str) -> int:
     from llmd.daemon.engine.llm import LLM
     from llmd.daemon.engine.sampling_params import SamplingParams
     from llmd.daemon.tokenizer import encode_prompt
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(**_sampling_kwargs(args))
     llm = LLM(args.model, dtype=args.dtype)
     prompt_ids = encode_prompt(llm.tokenizer, prompt, args.chat)
-    out = sys.stdout
     for delta in llm.stream(prompt_ids, params):
-        out.write(delta.text)
-        out.flush()
-    out.write("\n")
-    out.flush()
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _generate_with_daemon(args: argparse.Namespace, prompt: str, connection: dict) -> int:
+    from llmd.client import Client
+
+    chat = connection.get("chat_template", False) if args.chat is None else args.chat
+    with Client(connection=connection) as client:
+        if chat:
+            stream = client.chat([{"role": "user", "content": prompt}], **_sampling_kwargs(args))
+        else:
+            stream = client.generate(prompt, **_sampling_kwargs(args))
+        for delta in stream:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from llmd.daemon.serve import DaemonOptions, serve
+
+    opts = DaemonOptions(
+        model=args.model, device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+        prefix_cache=args.prefix_cache, socket_dir=args.socket_dir, tcp=args.tcp, max_queue_len=args.max_queue_len,
+    )
+    if args.foreground:
+        return serve(opts)
+    return _start_background(args)
+
+
+def _start_background(args: argparse.Namespace) -> int:
+    import subprocess
+    import time
+
+    from llmd.client import Client, DaemonNotRunningError, load_connection
+    from llmd.daemon.runtime_files import read_connection_file
+    from llmd.paths import log_file, runtime_dir
+
+    run_dir = runtime_dir(args.socket_dir)
+    running = read_connection_file(run_dir)
+    if running:
+        raise LlmdError(f"llmd is already running (pid {running['pid']}, model {running.get('model')}); "
+                        "stop it with `llmd stop`")
+    argv = [sys.executable, "-m", "llmd", "start", "--foreground", "--socket-dir", str(run_dir)]
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                        ("--kv-cache-mb", args.kv_cache_mb), ("--block-size", args.block_size),
+                        ("--max-num-seqs", args.max_num_seqs), ("--max-batched-tokens", args.max_batched_tokens),
+                        ("--max-queue-len", args.max_queue_len), ("--tcp", args.tcp)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if not args.prefix_cache:
+        argv.append("--no-prefix-cache")
+    log_path = log_file()
+    with open(log_path, "ab") as log_out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_out, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:]
+            reason = tail[0].removeprefix("llmd: error: ") if tail else "no reason logged"
+            raise LlmdError(f"the daemon failed to start: {reason} (log: {log_path})")
+        try:
+            connection = load_connection(run_dir)
+            if connection.get("pid") == proc.pid:
+                with Client(connection=connection) as client:
+                    client.health(timeout=2.0)
+                    info = client.info()
+                break
+        except DaemonNotRunningError:
+            pass
+        time.sleep(0.2)
+    else:
+        raise LlmdError(f"the daemon did not come up within 10 minutes (log: {log_path})")
+    print(f"llmd: started (pid {info['pid']}): {info['model']} on {info['device']}, {info['dtype']}, "
+          f"quantisation {info['quantization']}, KV cache {info['num_blocks']} blocks x {info['block_size']} tokens; "
+          f"log: {log_path}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import time
+
+    from llmd.client import Client, load_connection
+
+    connection = load_connection(args.socket_dir)
+    pid = int(connection["pid"])
+    with Client(connection=connection) as client:
+        client.shutdown()
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"llmd: stopped (pid {pid})")
+            return 0
+        time.sleep(0.1)
+    raise LlmdError(f"the daemon (pid {pid}) is still running after {args.timeout:.0f}s; "
+                    f"`kill {pid}` ends it (in-flight requests are then cancelled)")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from llmd.client import Client, DaemonNotRunningError, load_connection
+
+    try:
+        connection = load_connection(args.socket_dir)
+        with Client(connection=connection) as client:
+            info = client.info()
+            stats = client.stats()
+    except DaemonNotRunningError:
+        if args.json:
+            print(json.dumps({"running": False}))
+        else:
+            print("llmd: not running (start it with `llmd start`)")
+        return 3
+    if args.json:
+        print(json.dumps({"running": True, **info, "stats": stats}))
+        return 0
+    used, cached, total = stats["num_blocks_used"], stats["num_blocks_cached_free"], stats["num_blocks"]
+    lines = [
+        f"running     pid {info['pid']}, up {stats['uptime_s']:.0f}s, llmd {info['version']}",
+        f"model       {info['model']} ({info['model_type']}), {info['device']}, {info['dtype']}",
+        f"quantised   {info['quantization']}",
+        f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "
+        f"({info['block_size']} tokens each)",
+        f"requests    {stats['num_running']} running, {stats['num_waiting']} waiting, "
+        f"{stats['num_preemptions']} preemptions",
+        f"throughput  {stats['prefill_tokens_per_s']:.1f} prompt tok/s, {stats['decode_tokens_per_s']:.1f} "
+        f"generated tok/s",
+        f"prefix hits {100 * stats['prefix_cache_hit_rate']:.1f}% of prompt tokens",
+        f"sockets     {connection['requests']}",
+    ]
+    print("\n".join(lines))
     return 0
 
 

@@ -1,0 +1,104 @@
+"""The daemon's files in the runtime dir: the lock, the sockets and the connection file.
+
+The lock is an ``flock`` held for the daemon's whole life. The kernel drops it when the process
+dies, however it dies, so a lock file that can be locked again is stale by definition: the next
+daemon takes it and clears the sockets and connection file left behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmd.errors import LlmdError
+from llmd.paths import CONNECTION_FILE, LOCK_FILE
+
+
+class AlreadyRunningError(LlmdError):
+    pass
+
+
+def read_connection_file(run_dir: Path) -> dict[str, Any] | None:
+    """The running daemon's connection info, or None if there is no live daemon."""
+    path = run_dir / CONNECTION_FILE
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("pid"), int) or not _alive(info["pid"]):
+        return None
+    return info
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class RuntimeFiles:
+    """Acquire with :meth:`acquire`; always :meth:`release` (removes the files)."""
+
+    run_dir: Path
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    _lock_fd: int | None = None
+
+    @property
+    def requests_endpoint(self) -> str:
+        return f"ipc://{self.run_dir / 'requests.sock'}"
+
+    @property
+    def stats_endpoint(self) -> str:
+        return f"ipc://{self.run_dir / 'stats.sock'}"
+
+    def acquire(self) -> None:
+        """Take the lock and clear stale files.
+
+        Raises:
+            AlreadyRunningError: another daemon holds the lock.
+        """
+        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            info = read_connection_file(self.run_dir) or {}
+            pid = info.get("pid", "unknown")
+            raise AlreadyRunningError(
+                f"llmd is already running (pid {pid}, model {info.get('model', '?')}); stop it with `llmd stop`"
+            ) from None
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        for name in (CONNECTION_FILE, "requests.sock", "stats.sock"):
+            (self.run_dir / name).unlink(missing_ok=True)  # left by a daemon that was killed
+
+    def write_connection_file(self, info: dict[str, Any]) -> None:
+        """Publish endpoints and key, 0600, atomically (clients never see half a file)."""
+        data = {
+            "version": 1, "pid": os.getpid(), "started": time.time(), "key": self.key.hex(),
+            "requests": self.requests_endpoint, "stats": self.stats_endpoint, **info,
+        }
+        tmp = self.run_dir / f".{CONNECTION_FILE}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.run_dir / CONNECTION_FILE)
+
+    def release(self) -> None:
+        for name in (CONNECTION_FILE, "requests.sock", "stats.sock"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing drops the flock
+            self._lock_fd = None

@@ -1,0 +1,101 @@
+"""`llmd start --foreground`: load the model, take the runtime dir, serve until stopped."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from llmd.daemon.runtime_files import RuntimeFiles
+from llmd.errors import LlmdError
+from llmd.paths import runtime_dir
+
+log = logging.getLogger("llmd")
+
+
+@dataclass(slots=True)
+class DaemonOptions:
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_mb: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    prefix_cache: bool = True
+    socket_dir: str | None = None
+    tcp: str | None = None
+    max_queue_len: int = 256
+    drain_timeout: float = 10.0
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LlmdError("--device cuda: no CUDA device is available (this torch build or machine has none); "
+                        "use --device cpu")
+    if device != "cpu" and device != "cuda":
+        raise LlmdError(f"--device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def check_tcp(tcp: str | None) -> None:
+    if tcp is None:
+        return
+    host, _, port = tcp.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise LlmdError(f"--tcp takes HOST:PORT (e.g. 127.0.0.1:7860), got {tcp!r}")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s: reachable from other machines (requests are still HMAC-signed)", tcp)
+
+
+def serve(opts: DaemonOptions) -> int:
+    """Run the daemon in this process; returns the exit code.
+
+    Raises:
+        LlmdError: already running, bad model, bad options.
+    """
+    from llmd.daemon.device import resolve_dtype
+    from llmd.daemon.engine.engine import EngineConfig, LLMEngine
+    from llmd.daemon.loader import load_model
+    from llmd.daemon.model_source import resolve_model
+    from llmd.daemon.server import Server, ServerConfig
+    from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
+
+    check_tcp(opts.tcp)
+    device = resolve_device(opts.device)
+    if device != "cpu":
+        raise LlmdError("CUDA serving is not implemented yet (see the GPU issue); use --device cpu")
+    try:
+        engine_config = EngineConfig(block_size=opts.block_size, kv_cache_mb=opts.kv_cache_mb,
+                                     max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_batched_tokens,
+                                     enable_prefix_caching=opts.prefix_cache)
+        server_config = ServerConfig(max_queue_len=opts.max_queue_len, drain_timeout_s=opts.drain_timeout,
+                                     tcp=opts.tcp)
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
+    files = RuntimeFiles(runtime_dir(opts.socket_dir))
+    files.acquire()  # before loading: a second daemon is refused at once
+    try:
+        start = time.monotonic()
+        source = resolve_model(opts.model)
+        dtype = resolve_dtype(opts.dtype, device)
+        loaded = load_model(source, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(source)
+        engine = LLMEngine(loaded.model, tokenizer, engine_config,
+                           eos_token_ids=stop_token_ids(tokenizer, loaded.config))
+        info = {"model": source.name, "model_path": str(source.path), "model_type": loaded.config.model_type,
+                "device": device, "dtype": str(dtype).removeprefix("torch."),
+                "quantization": "none (weights dequantised on load)", "kv_cache_blocks": engine.num_blocks,
+                "chat_template": bool(getattr(tokenizer, "chat_template", None))}
+        server = Server(engine, files, info, server_config)
+        files.write_connection_file({**info, **server.endpoints})
+        log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens) after %.1fs", source.name,
+                 files.requests_endpoint, device, info["dtype"], engine.num_blocks, opts.block_size,
+                 time.monotonic() - start)
+        return server.run()
+    finally:
+        files.release()

@@ -1,0 +1,407 @@
+"""The daemon: one engine behind a ZeroMQ ROUTER socket (requests) and a PUB socket (stats).
+
+One thread does everything, in a loop: take every waiting message, run one engine step, route the
+step's deltas to their clients, publish stats now and then. Sends never block: a client that
+reads slowly has its deltas queued (and merged) on our side while everyone else streams on, and a
+client that has gone away is noticed on the next send (``ROUTER_MANDATORY`` reports the peer
+unreachable), whereupon its requests are aborted and their KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import zmq
+
+from llmd import __version__
+from llmd.daemon.engine.engine import LLMEngine
+from llmd.daemon.engine.outputs import RequestDelta
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.runtime_files import RuntimeFiles
+from llmd.errors import PromptTooLongError, RequestError
+from llmd.protocol import (
+    MAX_MESSAGE_BYTES, REQUEST_TYPES, ErrorCode, ProtocolError, SignatureError, decode, encode, parse_messages,
+    parse_prompt, parse_token_ids, require_str,
+)
+
+log = logging.getLogger("llmd.server")
+
+_PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+KEEPALIVE_INTERVAL_S = 1.0
+# NOTE: test hook, read once at start: make engine step number N raise, to test fault handling.
+_FAULT_STEP = int(os.environ.get("LLMD_FAULT_STEP", "0") or 0)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Daemon limits. Raises ``ValueError`` on nonsense."""
+
+    max_queue_len: int = 256
+    stats_interval_s: float = 0.25
+    drain_timeout_s: float = 10.0
+    tcp: str | None = None  # "host:port": also serve on TCP (requests on port, stats on port + 1)
+
+    def __post_init__(self) -> None:
+        if self.max_queue_len < 1:
+            raise ValueError("max_queue_len must be at least 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request in flight, as the server sees it."""
+
+    identity: bytes
+    request_id: str
+    parent: str
+    stream: bool
+    num_prompt_tokens: int
+    text: list[str] = field(default_factory=list)  # collected for stream=False
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Server:
+    def __init__(self, engine: LLMEngine, files: RuntimeFiles, info: dict[str, Any],
+                 config: ServerConfig | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.files = files
+        self.key = files.key
+        self.info = info
+        self.config = config or ServerConfig()
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.router.setsockopt(zmq.SNDHWM, 1000)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 10)  # stats are replaceable: drop, never queue
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.endpoints = {"requests": files.requests_endpoint, "stats": files.stats_endpoint}
+        self.router.bind(files.requests_endpoint)
+        self.pub.bind(files.stats_endpoint)
+        if self.config.tcp:
+            host, port = self.config.tcp.rsplit(":", 1)
+            self.router.bind(f"tcp://{host}:{int(port)}")
+            self.pub.bind(f"tcp://{host}:{int(port) + 1}")
+            self.endpoints["tcp_requests"] = f"tcp://{host}:{int(port)}"
+            self.endpoints["tcp_stats"] = f"tcp://{host}:{int(port) + 1}"
+        self.live: dict[str, _Live] = {}  # engine request id -> request
+        self.outbox: dict[bytes, deque[list[bytes] | tuple[str, dict, str]]] = {}
+        self.last_sent: dict[bytes, float] = {}
+        self.stopping = False
+        self.drain_deadline: float | None = None
+        self.started = time.time()
+        self.num_dropped = 0  # unsigned, badly signed or malformed frames
+        self.num_step_failures = 0
+        self._consecutive_failures = 0
+        self._last_stats = 0.0
+        self._num_steps = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def request_stop(self, *_: Any) -> None:
+        if not self.stopping:
+            log.info("stopping: finishing %d in-flight requests (up to %.0fs)", len(self.live),
+                     self.config.drain_timeout_s)
+        self.stopping = True
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+
+    def run(self) -> int:
+        """Serve until stopped; returns the process exit code."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        code = 0
+        try:
+            while True:
+                busy = self.engine.has_unfinished() or any(self.outbox.values())
+                if self.stopping and not self.live:
+                    break
+                if self.stopping and time.monotonic() > (self.drain_deadline or 0):
+                    self._cancel_all(ErrorCode.CANCELLED, "the daemon is shutting down")
+                    break
+                if poller.poll(0 if busy else 100):
+                    self._drain_incoming()
+                if self.engine.has_unfinished():
+                    if not self._step():
+                        code = 1
+                        break
+                self._flush_outbox()
+                self._keepalive()
+                self._publish_stats()
+        finally:
+            self._flush_outbox()
+            self.router.close(0)
+            self.pub.close(0)
+            self.ctx.term()
+        log.info("stopped")
+        return code
+
+    # ---- incoming --------------------------------------------------------------------------------
+
+    def _drain_incoming(self) -> None:
+        for _ in range(1000):  # bounded, so a flood cannot starve the engine
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.num_dropped += 1
+                continue
+            identity, frames = frames[0], frames[1:]
+            try:
+                msg = decode(self.key, frames, REQUEST_TYPES)
+            except SignatureError:
+                self.num_dropped += 1
+                log.warning("dropped a message with a bad or missing signature")
+                continue
+            except ProtocolError as e:
+                self.num_dropped += 1
+                log.warning("dropped a malformed message: %s", e)
+                continue
+            try:
+                self._handle(identity, msg)
+            except ProtocolError as e:
+                rid = msg.content.get("request_id") if isinstance(msg.content.get("request_id"), str) else None
+                self._error(identity, msg.msg_id, e.code, str(e), rid)
+
+    def _handle(self, identity: bytes, msg: Any) -> None:
+        c = msg.content
+        if msg.type == "generate":
+            self._generate(identity, msg)
+        elif msg.type == "cancel":
+            rid = require_str(c, "request_id")
+            live = self.live.get(self._key(identity, rid))
+            if live is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"no request {rid!r} of yours is running")
+            delta = self.engine.abort_request(self._key(identity, rid))
+            self._finish(self._key(identity, rid), delta, reason="abort")
+        elif msg.type == "stats":
+            self._reply(identity, "stats", self._stats(), msg.msg_id)
+        elif msg.type == "info":
+            self._reply(identity, "info", self._info(), msg.msg_id)
+        elif msg.type == "tokenize":
+            self._reply(identity, "tokens", {"token_ids": self._tokenize(c)}, msg.msg_id)
+        elif msg.type == "health":
+            self._reply(identity, "health", {"status": "stopping" if self.stopping else "ok"}, msg.msg_id)
+        elif msg.type == "ping":
+            self._reply(identity, "pong", {}, msg.msg_id)
+        elif msg.type == "shutdown":
+            self._reply(identity, "shutdown", {"status": "stopping"}, msg.msg_id)
+            self.request_stop()
+
+    @staticmethod
+    def _key(identity: bytes, request_id: str) -> str:
+        # NOTE: requests are keyed by client identity too: nobody can reach another's request.
+        return f"{identity.hex()}/{request_id}"
+
+    def _tokenize(self, c: dict[str, Any]) -> list[int]:
+        sources = [k for k in ("prompt", "messages", "token_ids") if k in c]
+        if len(sources) != 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "give exactly one of prompt, messages, token_ids")
+        if "token_ids" in c:
+            return parse_token_ids(c["token_ids"])
+        if "messages" in c:
+            messages = parse_messages(c["messages"])
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "this model has no chat template; send a prompt")
+            return [int(t) for t in self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+        return [int(t) for t in self.tokenizer.encode(parse_prompt(c["prompt"]))]
+
+    def _generate(self, identity: bytes, msg: Any) -> None:
+        c = msg.content
+        rid = require_str(c, "request_id")
+        key = self._key(identity, rid)
+        if key in self.live:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"request id {rid!r} is already in use")
+        if self.stopping:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; no new requests")
+        if len(self.engine.scheduler.waiting) >= self.config.max_queue_len:
+            raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self.engine.scheduler.waiting)} requests are "
+                                                      "queued; try again later")
+        stream = c.get("stream", True)
+        if not isinstance(stream, bool):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "stream must be true or false")
+        raw_params = c.get("params", {})
+        if not isinstance(raw_params, dict) or set(raw_params) - _PARAM_FIELDS:
+            unknown = sorted(set(raw_params) - _PARAM_FIELDS) if isinstance(raw_params, dict) else raw_params
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"params must be a map of sampling parameters; "
+                                                      f"unknown: {unknown!r}")
+        try:
+            params = SamplingParams(**raw_params)
+            ids = self._tokenize(c)
+            self.engine.add_request(key, ids, params, owner=identity)
+        except PromptTooLongError as e:
+            raise ProtocolError(ErrorCode.TOO_LONG, str(e)) from None
+        except (RequestError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        self.live[key] = _Live(identity, rid, msg.msg_id, stream, len(ids))
+        self._reply(identity, "accepted", {"request_id": rid, "prompt_tokens": len(ids)}, msg.msg_id)
+
+    # ---- engine ----------------------------------------------------------------------------------
+
+    def _step(self) -> bool:
+        """One engine step; False if the daemon must exit (repeated failures)."""
+        try:
+            self._num_steps += 1
+            if self._num_steps == _FAULT_STEP:
+                raise RuntimeError("injected fault (LLMD_FAULT_STEP)")
+            deltas = self.engine.step()
+        except Exception as e:
+            self.num_step_failures += 1
+            self._consecutive_failures += 1
+            log.exception("model step failed")
+            self._cancel_all(ErrorCode.INTERNAL, f"model step failed: {type(e).__name__}: {e}")
+            return self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+        self._consecutive_failures = 0
+        for delta in deltas:
+            self._route(delta)
+        return True
+
+    def _route(self, delta: RequestDelta) -> None:
+        live = self.live.get(delta.request_id)
+        if live is None:
+            return
+        if live.stream:
+            if delta.text or delta.token_ids:
+                content = {"request_id": live.request_id, "text": delta.text, "token_ids": delta.token_ids}
+                if delta.logprobs:
+                    content["logprobs"] = [[lp, [list(p) for p in top]] for lp, top in delta.logprobs]
+                self._queue(live.identity, ("delta", content, live.parent))
+        else:
+            live.text.append(delta.text)
+            live.token_ids.extend(delta.token_ids)
+        if delta.finished:
+            self._finish(delta.request_id, delta, delta.finish_reason)
+
+    def _finish(self, key: str, delta: RequestDelta | None, reason: str | None) -> None:
+        live = self.live.pop(key, None)
+        if live is None:
+            return
+        m = delta.metrics if delta is not None else None
+        content: dict[str, Any] = {"request_id": live.request_id, "finish_reason": reason}
+        if not live.stream:
+            content["text"] = "".join(live.text)
+            content["token_ids"] = live.token_ids
+        content["usage"] = {
+            "prompt_tokens": live.num_prompt_tokens,
+            "completion_tokens": m.num_generated_tokens if m else 0,
+            "cached_tokens": m.num_cached_tokens if m else 0,
+        }
+        content["timings"] = {
+            "queue_s": m.queue_time if m else None, "ttft_s": m.ttft if m else None,
+            "e2e_s": m.e2e if m else None, "decode_tokens_per_s": m.decode_tokens_per_s if m else None,
+        }
+        self._queue(live.identity, ("done", content, live.parent))
+
+    def _cancel_all(self, code: str, message: str) -> None:
+        for key, live in list(self.live.items()):
+            self.engine.abort_request(key)
+            self.live.pop(key)
+            self._queue(live.identity, ("error", {"request_id": live.request_id, "code": code,
+                                                  "message": message}, live.parent))
+        self._flush_outbox()
+
+    def _abort_identity(self, identity: bytes) -> None:
+        """The client is gone: abort what it asked for and forget what we owed it."""
+        keys = [k for k, live in self.live.items() if live.identity == identity]
+        for key in keys:
+            self.engine.abort_request(key)
+            self.live.pop(key)
+        if keys:
+            log.info("client %s went away; aborted %d request(s)", identity.hex(), len(keys))
+        self.outbox.pop(identity, None)
+        self.last_sent.pop(identity, None)
+
+    # ---- outgoing --------------------------------------------------------------------------------
+
+    def _reply(self, identity: bytes, msg_type: str, content: dict[str, Any], parent: str) -> None:
+        self._queue(identity, (msg_type, content, parent))
+
+    def _error(self, identity: bytes, parent: str, code: str, message: str, request_id: str | None) -> None:
+        content: dict[str, Any] = {"code": code, "message": message}
+        if request_id is not None:
+            content["request_id"] = request_id
+        self._queue(identity, ("error", content, parent))
+
+    def _queue(self, identity: bytes, item: tuple[str, dict, str]) -> None:
+        box = self.outbox.setdefault(identity, deque())
+        if box and item[0] == "delta" and box[-1][0] == "delta" \
+                and box[-1][1]["request_id"] == item[1]["request_id"]:
+            # A slow reader: merge deltas of one request instead of growing the queue.
+            last = box[-1][1]
+            last["text"] += item[1]["text"]
+            last["token_ids"] = last["token_ids"] + item[1]["token_ids"]
+            if "logprobs" in item[1]:
+                last["logprobs"] = last.get("logprobs", []) + item[1]["logprobs"]
+            return
+        box.append(item)
+
+    def _flush_outbox(self) -> None:
+        now = time.monotonic()
+        for identity in list(self.outbox):
+            box = self.outbox.get(identity)
+            while box:
+                msg_type, content, parent = box[0]
+                frames = [identity, *encode(self.key, msg_type, content, parent)]
+                try:
+                    self.router.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    break  # its pipe is full: keep the rest for later, serve the others
+                except zmq.ZMQError as e:
+                    if e.errno == errno.EHOSTUNREACH:
+                        self._abort_identity(identity)
+                        break
+                    raise
+                box.popleft()
+                self.last_sent[identity] = now
+            if identity in self.outbox and not self.outbox[identity]:
+                del self.outbox[identity]
+
+    def _keepalive(self) -> None:
+        """Probe clients with requests in flight that we have not written to lately, so one that
+        died while its request was queued or not streaming is noticed within a second or two."""
+        now = time.monotonic()
+        for identity in {live.identity for live in self.live.values()}:
+            if now - self.last_sent.get(identity, 0.0) > KEEPALIVE_INTERVAL_S and identity not in self.outbox:
+                self._queue(identity, ("keepalive", {}, ""))
+                self.last_sent[identity] = now
+        self._flush_outbox()
+
+    # ---- stats -----------------------------------------------------------------------------------
+
+    def _stats(self) -> dict[str, Any]:
+        s = self.engine.stats().to_dict()
+        s.update(uptime_s=time.time() - self.started, num_dropped_messages=self.num_dropped,
+                 num_step_failures=self.num_step_failures, num_clients=len({l.identity for l in self.live.values()}),
+                 stopping=self.stopping)
+        return s
+
+    def _info(self) -> dict[str, Any]:
+        return {**self.info, "version": __version__, "pid": os.getpid(), "started": self.started,
+                "max_model_len": self.engine.max_model_len, "block_size": self.engine.config.block_size,
+                "num_blocks": self.engine.num_blocks, "max_queue_len": self.config.max_queue_len}
+
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < self.config.stats_interval_s:
+            return
+        self._last_stats = now
+        try:
+            self.pub.send_multipart([b"stats", *encode(self.key, "stats", self._stats())], zmq.NOBLOCK)
+        except zmq.Again:
+            pass

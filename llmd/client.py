@@ -1,0 +1,399 @@
+"""Client library for the llmd daemon: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio).
+
+Both find the daemon through the connection file in the runtime dir, sign every message with its
+key, and speak the protocol in ``llmd.protocol`` (documented in docs/protocol.md)::
+
+    from llmd import Client
+    with Client() as c:
+        for delta in c.chat([{"role": "user", "content": "Hi!"}], max_tokens=64):
+            print(delta.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from llmd.errors import LlmdError
+from llmd.paths import CONNECTION_FILE, runtime_dir
+from llmd.protocol import REPLY_TYPES, Message, ProtocolError, decode, encode, new_msg_id
+
+SILENCE_TIMEOUT_S = 15.0  # the daemon writes at least every second while a request is in flight
+
+
+class DaemonNotRunningError(LlmdError):
+    """No daemon answers at the connection file."""
+
+
+class ServerError(LlmdError):
+    """The daemon refused or failed a request; ``code`` is a protocol error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{message} ({code})")
+        self.code = code
+
+
+@dataclass(slots=True)
+class Delta:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[Any] | None = None
+
+
+@dataclass(slots=True)
+class Result:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+def load_connection(socket_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The running daemon's connection info.
+
+    Raises:
+        DaemonNotRunningError: no connection file, or its daemon process is gone.
+    """
+    path = runtime_dir(socket_dir, create=False) / CONNECTION_FILE
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise DaemonNotRunningError("no llmd daemon is running; start one with `llmd start`") from None
+    pid = info.get("pid")
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        raise DaemonNotRunningError(f"the llmd daemon (pid {pid}) is gone; start one with `llmd start`") from None
+    except PermissionError:
+        pass
+    return info
+
+
+def _route_key(msg: Message) -> str:
+    rid = msg.content.get("request_id")
+    return f"req:{rid}" if isinstance(rid, str) else f"msg:{msg.parent}"
+
+
+def _generate_content(request_id: str, prompt: str | None, messages: list[dict[str, str]] | None,
+                      token_ids: list[int] | None, stream: bool, params: dict[str, Any]) -> dict[str, Any]:
+    given = [x is not None for x in (prompt, messages, token_ids)]
+    if sum(given) != 1:
+        raise ValueError("pass exactly one of prompt, messages, token_ids")
+    content: dict[str, Any] = {"request_id": request_id, "stream": stream, "params": params}
+    if prompt is not None:
+        content["prompt"] = prompt
+    elif messages is not None:
+        content["messages"] = messages
+    else:
+        content["token_ids"] = list(token_ids or [])
+    return content
+
+
+def _check(msg: Message) -> Message:
+    if msg.type == "error":
+        raise ServerError(str(msg.content.get("code")), str(msg.content.get("message")))
+    return msg
+
+
+def _result(request_id: str, done: dict[str, Any], text: str = "", token_ids: list[int] | None = None) -> Result:
+    return Result(request_id, done.get("text", text), done.get("token_ids", token_ids or []),
+                  done.get("finish_reason"), done.get("usage", {}), done.get("timings", {}))
+
+
+class Stream:
+    """Iterator over one request's deltas; afterwards ``result`` holds the finish reason, usage and
+    timings. Breaking out early cancels the request."""
+
+    def __init__(self, client: Client, request_id: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.result: Result | None = None
+        self._text: list[str] = []
+        self._tokens: list[int] = []
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            while self.result is None:
+                msg = _check(self.client._wait(f"req:{self.request_id}"))
+                if msg.type == "delta":
+                    d = Delta(self.request_id, msg.content.get("text", ""), msg.content.get("token_ids", []),
+                              msg.content.get("logprobs"))
+                    self._text.append(d.text)
+                    self._tokens.extend(d.token_ids)
+                    yield d
+                elif msg.type == "done":
+                    self.result = _result(self.request_id, msg.content, "".join(self._text), self._tokens)
+        finally:
+            if self.result is None:
+                self.client.cancel(self.request_id, wait=False)
+
+
+class Client:
+    """Blocking client. Not thread-safe: use one per thread.
+
+    Args:
+        socket_dir: the daemon's runtime dir (default: as ``llmd start`` picks it).
+        connection: connection info to use instead of reading the file (tests, TCP).
+        endpoint: ``requests`` (ipc) or ``tcp_requests``.
+    """
+
+    def __init__(self, socket_dir: str | os.PathLike[str] | None = None, *,
+                 connection: dict[str, Any] | None = None, endpoint: str = "requests") -> None:
+        self.connection = connection or load_connection(socket_dir)
+        self.key = bytes.fromhex(self.connection["key"])
+        self.ctx = zmq.Context.instance()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.connection[endpoint])
+        self._pending: dict[str, deque[Message]] = {}
+        self._ids = itertools.count()
+        self._prefix = os.urandom(3).hex()
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def _send(self, msg_type: str, content: dict[str, Any]) -> str:
+        msg_id = new_msg_id()
+        self.socket.send_multipart(encode(self.key, msg_type, content, msg_id=msg_id))
+        return msg_id
+
+    def _wait(self, key: str, timeout: float = SILENCE_TIMEOUT_S) -> Message:
+        """The next message routed to ``key``, stashing the others; raises after ``timeout`` s of
+        silence from the daemon."""
+        while True:
+            box = self._pending.get(key)
+            if box:
+                return box.popleft()
+            if not self.socket.poll(int(timeout * 1000)):
+                raise DaemonNotRunningError(f"the llmd daemon did not answer for {timeout:.0f}s")
+            frames = self.socket.recv_multipart()
+            try:
+                msg = decode(self.key, frames, REPLY_TYPES)
+            except ProtocolError:
+                continue  # not from our daemon
+            if msg.type != "keepalive":
+                self._pending.setdefault(_route_key(msg), deque()).append(msg)
+
+    def _call(self, msg_type: str, content: dict[str, Any] | None = None, timeout: float = SILENCE_TIMEOUT_S
+              ) -> dict[str, Any]:
+        msg_id = self._send(msg_type, content or {})
+        return _check(self._wait(f"msg:{msg_id}", timeout)).content
+
+    def health(self, timeout: float = 5.0) -> dict[str, Any]:
+        return self._call("health", timeout=timeout)
+
+    def info(self) -> dict[str, Any]:
+        return self._call("info")
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("stats")
+
+    def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None) -> list[int]:
+        content = {"prompt": prompt} if messages is None else {"messages": messages}
+        return self._call("tokenize", content)["token_ids"]
+
+    def shutdown(self) -> dict[str, Any]:
+        return self._call("shutdown")
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                 token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
+                 **params: Any) -> Stream | Result:
+        """Start a request. ``params`` are sampling parameters (``max_tokens``, ``temperature``...).
+
+        Returns:
+            With ``stream`` a :class:`Stream` of :class:`Delta` (its ``result`` set at the end),
+            else the :class:`Result`.
+
+        Raises:
+            ServerError: the daemon refused the request (bad_request, too_long, overloaded...).
+        """
+        rid = request_id or self._new_request_id()
+        self._send("generate", _generate_content(rid, prompt, messages, token_ids, stream, params))
+        _check(self._wait(f"req:{rid}"))  # accepted, or the refusal
+        if stream:
+            return Stream(self, rid)
+        while True:
+            msg = _check(self._wait(f"req:{rid}"))
+            if msg.type == "done":
+                return _result(rid, msg.content)
+
+    def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> Stream | Result:
+        return self.generate(messages=messages, **kwargs)
+
+    def cancel(self, request_id: str, wait: bool = True) -> None:
+        self._send("cancel", {"request_id": request_id})
+        if wait:
+            while True:
+                msg = self._wait(f"req:{request_id}")
+                if msg.type in ("done", "error"):
+                    return
+        self._pending.pop(f"req:{request_id}", None)
+
+    def subscribe_stats(self, timeout: float = SILENCE_TIMEOUT_S) -> Iterator[dict[str, Any]]:
+        """Yield the daemon's stats as it publishes them (a few times a second)."""
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"stats")
+        sub.setsockopt(zmq.RCVHWM, 4)
+        sub.connect(self.connection["stats"])
+        try:
+            while True:
+                if not sub.poll(int(timeout * 1000)):
+                    raise DaemonNotRunningError("the llmd daemon stopped publishing stats")
+                frames = sub.recv_multipart()
+                try:
+                    yield decode(self.key, frames[1:], ("stats",)).content
+                except ProtocolError:
+                    continue
+        finally:
+            sub.close(0)
+
+
+class AsyncClient:
+    """asyncio client with the same calls as :class:`Client` (awaitables and async iterators)."""
+
+    def __init__(self, socket_dir: str | os.PathLike[str] | None = None, *,
+                 connection: dict[str, Any] | None = None, endpoint: str = "requests") -> None:
+        self.connection = connection or load_connection(socket_dir)
+        self.key = bytes.fromhex(self.connection["key"])
+        self.ctx = zmq.asyncio.Context.instance()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.connection[endpoint])
+        self._queues: dict[str, asyncio.Queue[Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._prefix = os.urandom(3).hex()
+        self._last_heard = time.monotonic()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.socket.close(0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _queue(self, key: str) -> asyncio.Queue[Message]:
+        return self._queues.setdefault(key, asyncio.Queue())
+
+    async def _read_forever(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart()
+            self._last_heard = time.monotonic()
+            try:
+                msg = decode(self.key, frames, REPLY_TYPES)
+            except ProtocolError:
+                continue
+            if msg.type != "keepalive":
+                self._queue(_route_key(msg)).put_nowait(msg)
+
+    async def _send(self, msg_type: str, content: dict[str, Any]) -> str:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+        msg_id = new_msg_id()
+        await self.socket.send_multipart(encode(self.key, msg_type, content, msg_id=msg_id))
+        return msg_id
+
+    async def _wait(self, key: str, timeout: float = SILENCE_TIMEOUT_S) -> Message:
+        queue = self._queue(key)
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if time.monotonic() - self._last_heard > timeout:
+                    raise DaemonNotRunningError(f"the llmd daemon did not answer for {timeout:.0f}s") from None
+
+    async def _call(self, msg_type: str, content: dict[str, Any] | None = None) -> dict[str, Any]:
+        self._last_heard = time.monotonic()
+        msg_id = await self._send(msg_type, content or {})
+        return _check(await self._wait(f"msg:{msg_id}")).content
+
+    async def health(self) -> dict[str, Any]:
+        return await self._call("health")
+
+    async def info(self) -> dict[str, Any]:
+        return await self._call("info")
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._call("stats")
+
+    async def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                       token_ids: list[int] | None = None, request_id: str | None = None,
+                       **params: Any) -> AsyncIterator[Delta | Result]:
+        """Async iterator of :class:`Delta`, ending with one :class:`Result`. Leaving early cancels."""
+        rid = request_id or f"{self._prefix}-{next(self._ids)}"
+        self._last_heard = time.monotonic()
+        await self._send("generate", _generate_content(rid, prompt, messages, token_ids, True, params))
+        key = f"req:{rid}"
+        done = False
+        text: list[str] = []
+        tokens: list[int] = []
+        try:
+            _check(await self._wait(key))
+            while not done:
+                msg = _check(await self._wait(key))
+                if msg.type == "delta":
+                    d = Delta(rid, msg.content.get("text", ""), msg.content.get("token_ids", []),
+                              msg.content.get("logprobs"))
+                    text.append(d.text)
+                    tokens.extend(d.token_ids)
+                    yield d
+                elif msg.type == "done":
+                    done = True
+                    yield _result(rid, msg.content, "".join(text), tokens)
+        finally:
+            if not done:
+                await self.cancel(rid)
+            self._queues.pop(key, None)
+
+    def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> AsyncIterator[Delta | Result]:
+        return self.generate(messages=messages, **kwargs)
+
+    async def cancel(self, request_id: str) -> None:
+        await self._send("cancel", {"request_id": request_id})
+
+    async def subscribe_stats(self) -> AsyncIterator[dict[str, Any]]:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"stats")
+        sub.setsockopt(zmq.RCVHWM, 4)
+        sub.connect(self.connection["stats"])
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    yield decode(self.key, frames[1:], ("stats",)).content
+                except ProtocolError:
+                    continue
+        finally:
+            sub.close(0)
+
+
+__all__ = ["AsyncClient", "Client", "DaemonNotRunningError", "Delta", "Result", "ServerError", "Stream",
+           "load_connection"]

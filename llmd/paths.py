@@ -1,0 +1,54 @@
+"""Where llmd keeps its files: the runtime dir (sockets, connection file, lock) and the state dir
+(logs). Shared by the daemon and its clients."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from llmd.errors import LlmdError
+
+CONNECTION_FILE = "daemon.json"
+LOCK_FILE = "daemon.lock"
+
+
+def runtime_dir(override: str | os.PathLike[str] | None = None, create: bool = True) -> Path:
+    """The per-user runtime directory, created 0700 and checked to be ours.
+
+    Order: ``override`` (``--socket-dir``), ``$LLMD_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR/llmd``, then
+    ``/tmp/llmd-<uid>``.
+
+    Raises:
+        LlmdError: the directory exists but belongs to someone else or is open to others.
+    """
+    if override is not None:
+        path = Path(override).expanduser()
+    elif os.environ.get("LLMD_RUNTIME_DIR"):
+        path = Path(os.environ["LLMD_RUNTIME_DIR"]).expanduser()
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "llmd"
+    else:
+        path = Path("/tmp") / f"llmd-{os.getuid()}"
+    if create:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.exists():
+        st = path.stat()
+        if st.st_uid != os.getuid():
+            raise LlmdError(f"runtime directory {path} belongs to another user; pass --socket-dir DIR")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            # NOTE: the sockets in here accept requests; nobody else may reach them.
+            os.chmod(path, 0o700)
+    return path
+
+
+def state_dir() -> Path:
+    """``$XDG_STATE_HOME/llmd`` (default ``~/.local/state/llmd``), for the daemon's log."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    path = Path(base) / "llmd"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def log_file() -> Path:
+    return state_dir() / "llmd.log"

@@ -1,0 +1,174 @@
+"""The llmd wire protocol, version 1 (documented in docs/protocol.md).
+
+A message is four ZeroMQ frames, ``[b"llmd/1", signature, header, content]`` (a ROUTER socket sees
+the sender's identity frame first). ``header`` and ``content`` are msgpack maps; ``signature`` is
+the lowercase hex HMAC-SHA256 of ``header + content`` under the key from the connection file.
+Nothing is ever unpickled or evaluated: msgpack decodes to plain maps, lists, strings and numbers,
+and every field is checked before use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+PROTOCOL = b"llmd/1"
+VERSION = 1
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # ZMQ MAXMSGSIZE: a larger frame drops the connection
+MAX_ID_CHARS = 64
+MAX_PROMPT_CHARS = 1_000_000
+
+REQUEST_TYPES = ("generate", "cancel", "stats", "info", "tokenize", "health", "ping", "shutdown")
+REPLY_TYPES = ("accepted", "delta", "done", "error", "stats", "info", "tokens", "health", "pong", "shutdown",
+               "keepalive")
+
+
+class ErrorCode:
+    """Typed error codes carried by ``error`` replies."""
+
+    BAD_REQUEST = "bad_request"  # malformed message or invalid field
+    TOO_LONG = "too_long"  # prompt + max_tokens beyond the context or the KV pool
+    OVERLOADED = "overloaded"  # queue full: retry later
+    UNKNOWN_REQUEST = "unknown_request"  # cancel of a request this client does not own / has finished
+    SHUTTING_DOWN = "shutting_down"  # daemon is stopping: no new requests
+    CANCELLED = "cancelled"  # the daemon ended the request (e.g. shutdown timeout)
+    INTERNAL = "internal"  # a failure inside the daemon (e.g. a model step)
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted; ``code`` is an :class:`ErrorCode` value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class SignatureError(ProtocolError):
+    """Unsigned or wrongly signed: dropped and counted, never answered."""
+
+
+@dataclass(slots=True)
+class Message:
+    type: str
+    header: dict[str, Any]
+    content: dict[str, Any]
+
+    @property
+    def msg_id(self) -> str:
+        return self.header.get("id", "")
+
+    @property
+    def parent(self) -> str | None:
+        return self.header.get("parent")
+
+
+_counter = itertools.count()
+_prefix = os.urandom(4).hex()
+
+
+def new_msg_id() -> str:
+    return f"{_prefix}-{next(_counter)}"
+
+
+def sign(key: bytes, header: bytes, content: bytes) -> bytes:
+    return hmac.new(key, header + content, hashlib.sha256).hexdigest().encode()
+
+
+def encode(key: bytes, msg_type: str, content: dict[str, Any], parent: str | None = None,
+           msg_id: str | None = None) -> list[bytes]:
+    """Frames for one message (without any identity frame)."""
+    header: dict[str, Any] = {"v": VERSION, "id": msg_id or new_msg_id(), "type": msg_type, "ts": time.time()}
+    if parent is not None:
+        header["parent"] = parent
+    h = msgpack.packb(header, use_bin_type=True)
+    c = msgpack.packb(content, use_bin_type=True)
+    return [PROTOCOL, sign(key, h, c), h, c]
+
+
+def decode(key: bytes, frames: list[bytes], allowed_types: tuple[str, ...]) -> Message:
+    """Check and parse four frames.
+
+    Raises:
+        ProtocolError: wrong frame count or protocol, bad signature (code ``bad_request``), bad
+            msgpack, or an unknown type. Callers drop unsigned messages without replying.
+    """
+    if len(frames) != 4:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected 4 frames, got {len(frames)}")
+    proto, signature, h, c = frames
+    if proto != PROTOCOL:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "unknown protocol; expected llmd/1")
+    if not hmac.compare_digest(sign(key, h, c), bytes(signature)):
+        raise SignatureError(ErrorCode.BAD_REQUEST, "bad signature")
+    header = _unpack(h, "header")
+    content = _unpack(c, "content")
+    if header.get("v") != VERSION:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unsupported protocol version {header.get('v')!r}")
+    msg_id = header.get("id")
+    if not isinstance(msg_id, str) or not 0 < len(msg_id) <= MAX_ID_CHARS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "header.id must be a string of 1 to 64 characters")
+    msg_type = header.get("type")
+    if msg_type not in allowed_types:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message type {msg_type!r}")
+    parent = header.get("parent")
+    if parent is not None and not isinstance(parent, str):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "header.parent must be a string")
+    return Message(msg_type, header, content)
+
+
+def _unpack(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        # NOTE: strict_map_key and raw=False keep keys to str/bytes; no ext types are accepted.
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} must be a map")
+    return value
+
+
+def require_str(content: dict[str, Any], field: str, max_chars: int = MAX_ID_CHARS, optional: bool = False
+                ) -> str | None:
+    value = content.get(field)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= max_chars:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{field} must be a string of 1 to {max_chars} characters")
+    return value
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    """Validate chat messages: a non-empty list of ``{"role": str, "content": str}``."""
+    if not isinstance(value, list) or not 0 < len(value) <= 1024:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "messages must be a list of 1 to 1024 messages")
+    out = []
+    for m in value:
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or \
+                not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, 'each message must be {"role": str, "content": str}')
+        if m["role"] not in ("system", "user", "assistant"):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message role {m['role']!r}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if sum(len(m["content"]) for m in out) > MAX_PROMPT_CHARS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages exceed {MAX_PROMPT_CHARS} characters")
+    return out
+
+
+def parse_token_ids(value: Any) -> list[int]:
+    if not isinstance(value, list) or not value or len(value) > MAX_PROMPT_CHARS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "token_ids must be a non-empty list of integers")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "token_ids must be a non-empty list of integers")
+    return value
+
+
+def parse_prompt(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_PROMPT_CHARS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"prompt must be a string of 1 to {MAX_PROMPT_CHARS} characters")
+    return value
