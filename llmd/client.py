@@ -137,7 +137,7 @@ class Stream:
                 elif msg.type == "done":
                     self.result = _result(self.request_id, msg.content, "".join(self._text), self._tokens)
         finally:
-            if self.result is None:
+            if self.result is None and not self.client.socket.closed:
                 self.client.cancel(self.request_id, wait=False)
 
 
@@ -243,12 +243,17 @@ class Client:
         return self.generate(messages=messages, **kwargs)
 
     def cancel(self, request_id: str, wait: bool = True) -> None:
+        """Cancel one of this client's requests. With ``wait``, returns once it has ended.
+
+        Raises:
+            ServerError: ``unknown_request`` if it is not running (finished, or never existed).
+        """
         self._send("cancel", {"request_id": request_id})
         if wait:
             while True:
-                msg = self._wait(f"req:{request_id}")
-                if msg.type in ("done", "error"):
-                    return
+                msg = _check(self._wait(f"req:{request_id}"))
+                if msg.type == "done":
+                    break
         self._pending.pop(f"req:{request_id}", None)
 
     def subscribe_stats(self, timeout: float = SILENCE_TIMEOUT_S) -> Iterator[dict[str, Any]]:

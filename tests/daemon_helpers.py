@@ -1,0 +1,69 @@
+"""Start and stop real daemons (subprocesses on ipc sockets in a temp dir) for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CLIENT_SCRIPT = Path(__file__).with_name("client_proc.py")
+
+
+def daemon_env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp / "state"), PYTHONUNBUFFERED="1", **extra)
+    env.pop("LLMD_RUNTIME_DIR", None)
+    return env
+
+
+def start_daemon(model_dir: Path, socket_dir: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmd", "start", "--model", str(model_dir), "--socket-dir", str(socket_dir),
+         "--dtype", "float32", *args],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return json.loads((socket_dir / "daemon.json").read_text())
+
+
+def stop_daemon(socket_dir: Path, env: dict[str, str] | None = None) -> None:
+    conn_file = socket_dir / "daemon.json"
+    if not conn_file.exists():
+        return
+    pid = json.loads(conn_file.read_text())["pid"]
+    subprocess.run([sys.executable, "-m", "llmd", "stop", "--socket-dir", str(socket_dir)],
+                   capture_output=True, text=True, timeout=120, env=env)
+    wait_gone(pid)
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def client_process(socket_dir: Path, token_ids: list[int], max_tokens: int, env: dict[str, str] | None = None
+                   ) -> subprocess.Popen:
+    """A separate process that streams one greedy request and prints one line per delta, then
+    a final JSON line with all token ids."""
+    return subprocess.Popen(
+        [sys.executable, str(CLIENT_SCRIPT), str(socket_dir), json.dumps(token_ids), str(max_tokens)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )

@@ -1,0 +1,250 @@
+"""The daemon for real: `llmd start` in a temp runtime dir on a tiny model, clients in other
+processes, faults injected from outside."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from daemon_helpers import (
+    client_process, daemon_env, start_daemon, stop_daemon, wait_for, wait_gone,
+)
+from tiny_models import make_hf_model, save_hf_model
+
+from llmd.client import Client, DaemonNotRunningError, ServerError
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.generate import Generator
+from llmd.daemon.loader import load_model
+from llmd.daemon.model_source import resolve_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("daemon")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp: Path) -> Path:
+    # A long context so a stream can run for seconds (to be killed or stopped mid-way).
+    return save_hf_model(make_hf_model("llama", max_position_embeddings=4096), tmp / "model", with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def env(tmp: Path) -> dict[str, str]:
+    return daemon_env(tmp)
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir: Path, tmp: Path, env: dict[str, str]):
+    socket_dir = tmp / "run"
+    conn = start_daemon(model_dir, socket_dir, "--max-num-seqs", "32", env=env)
+    yield socket_dir, conn
+    stop_daemon(socket_dir, env)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path):
+    gen = Generator(load_model(resolve_model(model_dir)).model)
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        return list(gen.stream(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+    return greedy
+
+
+def prompt(i: int) -> list[int]:
+    return [(i * 37 + k * 11) % 250 for k in range(5 + 3 * i)]
+
+
+def stats(socket_dir: Path) -> dict:
+    with Client(socket_dir) as c:
+        return c.stats()
+
+
+def test_files_are_private_and_no_inet_listener(daemon) -> None:
+    import psutil
+
+    socket_dir, conn = daemon
+    assert stat.S_IMODE(socket_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((socket_dir / "daemon.json").stat().st_mode) == 0o600
+    assert psutil.Process(conn["pid"]).net_connections(kind="inet") == []
+    assert conn["requests"].startswith("ipc://") and "tcp_requests" not in conn
+
+
+def test_status_command(daemon, env) -> None:
+    socket_dir, conn = daemon
+    out = subprocess.run([sys.executable, "-m", "llmd", "status", "--json", "--socket-dir", str(socket_dir)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0
+    status = json.loads(out.stdout)
+    assert status["running"] and status["pid"] == conn["pid"] and status["stats"]["num_blocks"] > 0
+
+
+def test_stream_matches_in_process(daemon, reference) -> None:
+    socket_dir, _ = daemon
+    with Client(socket_dir) as c:
+        stream = c.generate(token_ids=prompt(3), max_tokens=20, temperature=0, ignore_eos=True)
+        tokens = [t for d in stream for t in d.token_ids]
+        assert stream.result.finish_reason == "length" and stream.result.usage["completion_tokens"] == 20
+        assert tokens == reference(prompt(3), 20)
+        whole = c.generate(token_ids=prompt(3), max_tokens=20, temperature=0, ignore_eos=True, stream=False)
+        assert whole.token_ids == tokens
+
+
+def test_sixteen_client_processes_get_their_own_tokens(daemon, reference, env) -> None:
+    socket_dir, _ = daemon
+    procs = [client_process(socket_dir, prompt(i), 24, env) for i in range(16)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == reference(prompt(i), 24)
+
+
+def test_killed_client_has_its_blocks_freed(daemon, env) -> None:
+    socket_dir, _ = daemon
+    victim = client_process(socket_dir, prompt(1), 3500, env)
+    assert victim.stdout.readline().startswith("delta")  # it is streaming
+    assert stats(socket_dir)["num_running"] == 1
+    with Client(socket_dir) as other:
+        stream = other.generate(token_ids=prompt(2), max_tokens=3000, temperature=0, ignore_eos=True)
+        it = iter(stream)
+        next(it)
+        victim.kill()
+        victim.wait()
+        assert wait_for(lambda: stats(socket_dir)["num_running"] == 1, timeout=5), "victim not aborted"
+        other.cancel(stream.request_id)
+    assert wait_for(lambda: stats(socket_dir)["num_blocks_used"] == 0, timeout=5)
+
+
+def test_stopped_client_does_not_stall_others(daemon, reference, env) -> None:
+    socket_dir, _ = daemon
+    sleeper = client_process(socket_dir, prompt(4), 3500, env)
+    try:
+        assert sleeper.stdout.readline().startswith("delta")
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with Client(socket_dir) as c:
+            result = c.generate(token_ids=prompt(5), max_tokens=40, temperature=0, ignore_eos=True, stream=False)
+        assert result.token_ids == reference(prompt(5), 40)
+        assert time.monotonic() - start < 20
+    finally:
+        os.kill(sleeper.pid, signal.SIGKILL)
+        sleeper.wait()
+    assert wait_for(lambda: stats(socket_dir)["num_blocks_used"] == 0, timeout=5)
+
+
+def test_cancel_mid_stream_frees_blocks(daemon) -> None:
+    socket_dir, _ = daemon
+    with Client(socket_dir) as c:
+        stream = c.generate(token_ids=prompt(6), max_tokens=3000, temperature=0, ignore_eos=True)
+        it = iter(stream)
+        for _ in range(3):
+            next(it)
+        assert c.stats()["num_blocks_used"] > 0
+        c.cancel(stream.request_id)
+        assert c.stats()["num_blocks_used"] == 0
+        with pytest.raises(ServerError, match="unknown_request"):
+            c.cancel(stream.request_id)
+
+
+def test_clients_cannot_touch_each_others_requests(daemon) -> None:
+    socket_dir, _ = daemon
+    with Client(socket_dir) as a, Client(socket_dir) as b:
+        stream = a.generate(token_ids=prompt(7), max_tokens=2000, temperature=0, ignore_eos=True, request_id="shared")
+        it = iter(stream)
+        next(it)
+        with pytest.raises(ServerError, match="unknown_request"):
+            b.cancel("shared")
+        # b may use the same request id for its own request without disturbing a's.
+        own = b.generate(token_ids=prompt(8), max_tokens=5, temperature=0, request_id="shared", stream=False)
+        assert len(own.token_ids) >= 1
+        next(it)
+        a.cancel("shared")
+
+
+def test_too_long_and_bad_params_are_typed_errors(daemon) -> None:
+    socket_dir, _ = daemon
+    with Client(socket_dir) as c:
+        with pytest.raises(ServerError, match="too_long"):
+            c.generate(token_ids=[1] * 4000, max_tokens=200, stream=False)
+        with pytest.raises(ServerError, match="bad_request"):
+            c.generate(token_ids=[1, 2], temperature=-1, stream=False)
+        with pytest.raises(ServerError, match="bad_request"):
+            c.generate(token_ids=[1, 99999], stream=False)  # out of vocabulary
+        with pytest.raises(ServerError, match="bad_request"):
+            c.generate(token_ids=[1, 2], no_such_param=1, stream=False)
+        assert c.generate(token_ids=[1, 2], max_tokens=3, stream=False).finish_reason in ("stop", "length")
+
+
+def test_second_daemon_is_refused(daemon, model_dir, env) -> None:
+    socket_dir, conn = daemon
+    proc = subprocess.run([sys.executable, "-m", "llmd", "start", "--model", str(model_dir), "--socket-dir",
+                           str(socket_dir), "--foreground"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1
+    assert f"already running (pid {conn['pid']}" in proc.stderr
+    assert stats(socket_dir)["num_blocks"] > 0  # the first one is untouched
+
+
+def test_stale_files_are_cleaned_and_sigterm_drains(model_dir, tmp, env) -> None:
+    socket_dir = tmp / "stale"
+    conn = start_daemon(model_dir, socket_dir, env=env)
+    os.kill(conn["pid"], signal.SIGKILL)
+    assert wait_gone(conn["pid"])
+    assert (socket_dir / "daemon.json").exists()  # left behind by the killed daemon
+    with pytest.raises(DaemonNotRunningError):
+        Client(socket_dir)
+    # A foreground daemon takes over the stale files ...
+    proc = subprocess.Popen([sys.executable, "-m", "llmd", "start", "--foreground", "--model", str(model_dir),
+                             "--socket-dir", str(socket_dir), "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert wait_for(lambda: _pid_in_file(socket_dir) == proc.pid, timeout=120)
+    with Client(socket_dir) as c:
+        c.health()
+        stream = c.generate(token_ids=prompt(2), max_tokens=300, temperature=0, ignore_eos=True)
+        it = iter(stream)
+        next(it)
+        proc.send_signal(signal.SIGTERM)  # ... and drains on SIGTERM: the stream still completes
+        rest = list(it)
+        assert stream.result is not None and stream.result.finish_reason == "length"
+        assert 1 + sum(len(d.token_ids) for d in rest) == 300
+    assert proc.wait(timeout=30) == 0
+    assert not (socket_dir / "daemon.json").exists()
+
+
+def _pid_in_file(socket_dir: Path) -> int | None:
+    try:
+        return json.loads((socket_dir / "daemon.json").read_text())["pid"]
+    except (OSError, ValueError):
+        return None
+
+
+def test_overloaded_and_injected_step_failure(model_dir, tmp) -> None:
+    socket_dir = tmp / "faulty"
+    env = daemon_env(tmp, LLMD_FAULT_STEP="40")
+    start_daemon(model_dir, socket_dir, "--max-num-seqs", "1", "--max-queue-len", "1", env=env)
+    try:
+        with Client(socket_dir) as c:
+            first = iter(c.generate(token_ids=prompt(1), max_tokens=3000, temperature=0, ignore_eos=True))
+            next(first)  # running
+            queued = c.generate(token_ids=prompt(2), max_tokens=10, temperature=0, ignore_eos=True)  # waiting
+            with pytest.raises(ServerError, match="overloaded"):
+                c.generate(token_ids=prompt(3), max_tokens=10, stream=False)
+            # Step 40 raises inside the daemon: both in-flight requests get an internal error ...
+            with pytest.raises(ServerError, match="internal"):
+                list(first)
+            with pytest.raises(ServerError, match="internal"):
+                list(queued)
+            # ... and the daemon recovers.
+            assert c.stats()["num_step_failures"] == 1
+            assert c.generate(token_ids=prompt(4), max_tokens=5, stream=False).finish_reason in ("stop", "length")
+            assert c.stats()["num_blocks_used"] == 0
+    finally:
+        stop_daemon(socket_dir, env)
