@@ -166,11 +166,15 @@ class Server:
                 msg = decode(self.key, frames, REQUEST_TYPES)
             except SignatureError:
                 self.num_dropped += 1
-                log.warning("dropped a message with a bad or missing signature")
+                # NOTE: debug level: a flood of forged messages must not flood the log too.
+                log.debug("dropped a message with a bad or missing signature")
                 continue
             except ProtocolError as e:
-                self.num_dropped += 1
-                log.warning("dropped a malformed message: %s", e)
+                if e.msg_id is not None:
+                    self._error(identity, e.msg_id, e.code, str(e), None)
+                else:
+                    self.num_dropped += 1
+                    log.debug("dropped a malformed message: %s", e)
                 continue
             try:
                 self._handle(identity, msg)

@@ -45,9 +45,10 @@ class ErrorCode:
 class ProtocolError(Exception):
     """A message that cannot be accepted; ``code`` is an :class:`ErrorCode` value."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, msg_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.msg_id = msg_id  # set when the message was signed and had an id: it can be answered
 
 
 class SignatureError(ProtocolError):
@@ -107,18 +108,23 @@ def decode(key: bytes, frames: list[bytes], allowed_types: tuple[str, ...]) -> M
     if not hmac.compare_digest(sign(key, h, c), bytes(signature)):
         raise SignatureError(ErrorCode.BAD_REQUEST, "bad signature")
     header = _unpack(h, "header")
-    content = _unpack(c, "content")
-    if header.get("v") != VERSION:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unsupported protocol version {header.get('v')!r}")
     msg_id = header.get("id")
     if not isinstance(msg_id, str) or not 0 < len(msg_id) <= MAX_ID_CHARS:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "header.id must be a string of 1 to 64 characters")
-    msg_type = header.get("type")
-    if msg_type not in allowed_types:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message type {msg_type!r}")
-    parent = header.get("parent")
-    if parent is not None and not isinstance(parent, str):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "header.parent must be a string")
+    try:
+        # From here on the sender is authenticated and named the message: errors can be answered.
+        content = _unpack(c, "content")
+        if header.get("v") != VERSION:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unsupported protocol version {header.get('v')!r}")
+        msg_type = header.get("type")
+        if msg_type not in allowed_types:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message type {msg_type!r}")
+        parent = header.get("parent")
+        if parent is not None and not isinstance(parent, str):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "header.parent must be a string")
+    except ProtocolError as e:
+        e.msg_id = msg_id
+        raise
     return Message(msg_type, header, content)
 
 

@@ -248,3 +248,47 @@ def test_overloaded_and_injected_step_failure(model_dir, tmp) -> None:
             assert c.stats()["num_blocks_used"] == 0
     finally:
         stop_daemon(socket_dir, env)
+
+
+def test_async_client_streams_and_subscribes(daemon, reference) -> None:
+    import asyncio
+
+    from llmd.client import AsyncClient, Result
+
+    socket_dir, _ = daemon
+
+    async def main() -> tuple[list[int], Result, dict]:
+        async with AsyncClient(socket_dir) as c:
+            tokens, result = [], None
+            async for item in c.generate(token_ids=prompt(9), max_tokens=12, temperature=0, ignore_eos=True):
+                if isinstance(item, Result):
+                    result = item
+                else:
+                    tokens.extend(item.token_ids)
+            async for s in c.subscribe_stats():
+                return tokens, result, s
+        raise AssertionError("unreachable")
+
+    tokens, result, published = asyncio.run(asyncio.wait_for(main(), 60))
+    assert tokens == reference(prompt(9), 12) and result.finish_reason == "length"
+    assert published["num_blocks"] > 0 and "decode_tokens_per_s" in published
+
+
+def test_generate_command_uses_the_daemon(daemon, env) -> None:
+    socket_dir, _ = daemon
+    before = stats(socket_dir)["num_generated_tokens_total"]
+    out = subprocess.run([sys.executable, "-m", "llmd", "generate", "hello", "--raw", "--max-tokens", "7",
+                          "--temperature", "0", "--socket-dir", str(socket_dir)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "no llmd daemon is running" not in out.stderr
+    assert stats(socket_dir)["num_generated_tokens_total"] >= before + 1
+
+
+def test_commands_without_a_daemon(tmp, env) -> None:
+    empty = tmp / "nobody"
+    for cmd, code, text in ((["status"], 3, "not running"), (["stop"], 1, "no llmd daemon is running")):
+        out = subprocess.run([sys.executable, "-m", "llmd", *cmd, "--socket-dir", str(empty)],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == code and text in (out.stdout + out.stderr)
+        assert "Traceback" not in out.stderr
