@@ -120,6 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                        connection.get("model"), args.model)
         connection = None
     if connection is None:
+        from llmd.daemon.model_source import resolve_model
+
+        resolve_model(args.model)  # a wrong --model is the error to report, not the missing daemon
         logging.getLogger("llmd").info("no llmd daemon is running: loading the model in this process "
                                        "(`llmd start` keeps it loaded for every request)")
         return _generate_in_process(args, prompt)

@@ -292,3 +292,27 @@ def test_commands_without_a_daemon(tmp, env) -> None:
                              capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == code and text in (out.stdout + out.stderr)
         assert "Traceback" not in out.stderr
+
+
+def test_tcp_is_opt_in_loopback_and_signed(model_dir, tmp, env) -> None:
+    import socket
+
+    import psutil
+
+    with socket.socket() as s:  # a free port pair
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    socket_dir = tmp / "tcp"
+    conn = start_daemon(model_dir, socket_dir, "--tcp", f"127.0.0.1:{port}", env=env)
+    try:
+        listening = {c.laddr for c in psutil.Process(conn["pid"]).net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN}
+        assert {(a.ip, a.port) for a in listening} == {("127.0.0.1", port), ("127.0.0.1", port + 1)}
+        with Client(connection=conn, endpoint="tcp_requests") as c:
+            assert c.generate(token_ids=[1, 2, 3], max_tokens=4, stream=False).finish_reason in ("stop", "length")
+        forged = dict(conn, key="00" * 32)  # right address, wrong key: never answered
+        with Client(connection=forged, endpoint="tcp_requests") as c:
+            with pytest.raises(DaemonNotRunningError):
+                c.health(timeout=1.0)
+    finally:
+        stop_daemon(socket_dir, env)
