@@ -102,6 +102,16 @@ def _generate_content(request_id: str, prompt: str | None, messages: list[dict[s
     return content
 
 
+def _stats_socket(ctx: zmq.Context, connection: dict[str, Any]) -> zmq.Socket:
+    # A small receive queue: stats are replaceable, a slow reader should see the newest.
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"stats")
+    sub.setsockopt(zmq.RCVHWM, 4)
+    sub.connect(connection["stats"])
+    return sub
+
+
 def _check(msg: Message) -> Message:
     if msg.type == "error":
         raise ServerError(str(msg.content.get("code")), str(msg.content.get("message")))
@@ -258,11 +268,7 @@ class Client:
 
     def subscribe_stats(self, timeout: float = SILENCE_TIMEOUT_S) -> Iterator[dict[str, Any]]:
         """Yield the daemon's stats as it publishes them (a few times a second)."""
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"stats")
-        sub.setsockopt(zmq.RCVHWM, 4)
-        sub.connect(self.connection["stats"])
+        sub = _stats_socket(self.ctx, self.connection)
         try:
             while True:
                 if not sub.poll(int(timeout * 1000)):
@@ -384,11 +390,7 @@ class AsyncClient:
         await self._send("cancel", {"request_id": request_id})
 
     async def subscribe_stats(self) -> AsyncIterator[dict[str, Any]]:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"stats")
-        sub.setsockopt(zmq.RCVHWM, 4)
-        sub.connect(self.connection["stats"])
+        sub = _stats_socket(self.ctx, self.connection)
         try:
             while True:
                 frames = await sub.recv_multipart()

@@ -85,7 +85,7 @@ def test_batched_logprobs_match_unbatched_within_rounding(llm, prompts) -> None:
     assert diffs.max() < worst_tol and diffs.mean() < mean_tol, f"max {diffs.max():.3f} mean {diffs.mean():.4f}"
 
 
-@pytest.mark.parametrize("chunk", [7, 13])
+@pytest.mark.parametrize("chunk", [1, 7, 13])
 def test_chunked_prefill_matches(llm, prompts, reference, chunk: int) -> None:
     exact_only(llm)
     from llmd.daemon.engine.engine import LLMEngine, EngineConfig
