@@ -1,5 +1,9 @@
-"""Weight quantisation (INT8 / INT4 formats, GGUF block import, quantised Linear modules).
+"""Weight quantisation: INT8 and INT4 weight-only formats, GGUF block import, quantised Linears.
 
-Empty until the quantisation issue lands; GGUF weights are dequantised to the compute dtype by
-``llmd.daemon.weights.gguf_file`` meanwhile.
+Layout (gpt-fast style): ``common.py`` holds the shared helpers (nibble packing, grouping); each
+scheme has one file with its quantise/dequantise functions and its Linear module (``int8.py``,
+``int4.py``); ``gguf_import.py`` turns GGUF Q8_0/Q4_0/Q4_1 blocks into those formats without a
+dequantise/requantise round trip.
+
+Not wired into model loading yet: GGUF weights are still dequantised on load (see issue 5).
 """

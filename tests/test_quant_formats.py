@@ -1,0 +1,97 @@
+"""Quantisation formats: packing is exact, round trips stay within each format's bound, GGUF
+blocks import bit-exactly, and the quantised Linears equal a Linear over the dequantised weight."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from llmd.quant.common import pack_int4, unpack_int4
+from llmd.quant.gguf_import import import_q4_0, import_q4_1, import_q8_0
+from llmd.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
+from llmd.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
+
+
+def weight(n: int = 48, k: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def test_int4_packing_is_exact() -> None:
+    q = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (7, 32) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert int(packed[0, 0]) == int(q[0, 0]) | (int(q[0, 1]) << 4)
+    with pytest.raises(ValueError):
+        pack_int4(torch.zeros(3, 5, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("group_size", [None, 32, 128])
+def test_int8_round_trip_within_half_a_step(group_size: int | None) -> None:
+    w = weight()
+    qw = quantize_int8(w, group_size)
+    err = (dequantize_int8(qw) - w).abs()
+    g = group_size or w.shape[1]
+    bound = qw.scales.repeat_interleave(g, dim=1) / 2 + 1e-7
+    assert (err <= bound).all()
+    assert qw.qweight.dtype == torch.int8 and qw.nbytes < w.numel() * 4 * 0.3
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_round_trip_within_half_a_step(group_size: int, symmetric: bool) -> None:
+    w = weight()
+    qw = quantize_int4(w, group_size, symmetric)
+    err = (dequantize_int4(qw) - w).abs()
+    bound = qw.scales.repeat_interleave(group_size, dim=1) / 2 + 1e-6
+    assert (err <= bound).all()
+    assert qw.nbytes <= w.numel() * 4 * (0.2 if group_size >= 64 else 0.25)
+    if symmetric:
+        assert torch.equal(qw.mins, -8 * qw.scales)
+
+
+def test_int4_rejects_bad_group_sizes() -> None:
+    with pytest.raises(ValueError):
+        quantize_int4(weight(), 48)
+    with pytest.raises(ValueError):
+        quantize_int4(weight(k=96), 64)
+
+
+@pytest.mark.parametrize("qtype,importer,dequant", [
+    (Q.Q8_0, import_q8_0, dequantize_int8), (Q.Q4_0, import_q4_0, dequantize_int4),
+    (Q.Q4_1, import_q4_1, dequantize_int4),
+])
+def test_gguf_blocks_import_bit_exactly(qtype, importer, dequant) -> None:
+    w = weight(n=24, k=320).numpy()
+    raw = gguf.quants.quantize(w, qtype)
+    ours = dequant(importer(raw)).numpy()
+    ref = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+    assert np.array_equal(ours, ref)
+
+
+def test_default_model_blocks_import_bit_exactly(default_model_path) -> None:
+    reader = gguf.GGUFReader(str(default_model_path))
+    seen = set()
+    for t in reader.tensors:
+        if t.tensor_type.name in seen or t.tensor_type.name not in ("Q4_1", "Q8_0"):
+            continue
+        seen.add(t.tensor_type.name)
+        importer, dequant = {"Q4_1": (import_q4_1, dequantize_int4), "Q8_0": (import_q8_0, dequantize_int8)}[
+            t.tensor_type.name]
+        ours = dequant(importer(np.asarray(t.data))).numpy()
+        ref = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert np.array_equal(ours, ref.reshape(ours.shape)), t.name
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+def test_quantised_linears_equal_linear_over_dequantised_weight() -> None:
+    w, b = weight(), torch.randn(48)
+    x = torch.randn(5, 256)
+    q8 = quantize_int8(w, 32)
+    q4 = quantize_int4(w, 64)
+    assert torch.allclose(Int8Linear(q8, b)(x), F.linear(x, dequantize_int8(q8), b), atol=1e-6)
+    assert torch.allclose(Int4Linear(q4)(x), F.linear(x, dequantize_int4(q4)), atol=1e-6)
