@@ -25,7 +25,7 @@ from llmd.daemon.engine.engine import LLMEngine
 from llmd.daemon.engine.outputs import RequestDelta
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.runtime_files import RuntimeFiles
-from llmd.errors import PromptTooLongError, RequestError
+from llmd.errors import LlmdError, PromptTooLongError, RequestError
 from llmd.protocol import (
     MAX_MESSAGE_BYTES, REQUEST_TYPES, ErrorCode, ProtocolError, SignatureError, decode, encode, parse_messages,
     parse_prompt, parse_token_ids, require_str,
@@ -88,14 +88,24 @@ class Server:
         self.pub.setsockopt(zmq.SNDHWM, 10)  # stats are replaceable: drop, never queue
         self.pub.setsockopt(zmq.LINGER, 0)
         self.endpoints = {"requests": files.requests_endpoint, "stats": files.stats_endpoint}
-        self.router.bind(files.requests_endpoint)
-        self.pub.bind(files.stats_endpoint)
-        if self.config.tcp:
-            host, port = self.config.tcp.rsplit(":", 1)
-            self.router.bind(f"tcp://{host}:{int(port)}")
-            self.pub.bind(f"tcp://{host}:{int(port) + 1}")
-            self.endpoints["tcp_requests"] = f"tcp://{host}:{int(port)}"
-            self.endpoints["tcp_stats"] = f"tcp://{host}:{int(port) + 1}"
+        try:
+            self.router.bind(files.requests_endpoint)
+            self.pub.bind(files.stats_endpoint)
+            if self.config.tcp:
+                host, port = self.config.tcp.rsplit(":", 1)
+                if ":" in host:  # IPv6
+                    host = host if host.startswith("[") else f"[{host}]"
+                    self.router.setsockopt(zmq.IPV6, 1)
+                    self.pub.setsockopt(zmq.IPV6, 1)
+                for name, sock, p in (("tcp_requests", self.router, int(port)), ("tcp_stats", self.pub, int(port) + 1)):
+                    sock.bind(f"tcp://{host}:{p}")
+                    self.endpoints[name] = f"tcp://{host}:{p}"
+        except zmq.ZMQError as e:
+            self.router.close(0)
+            self.pub.close(0)
+            self.ctx.term()
+            raise LlmdError(f"cannot listen ({e}); check --tcp HOST:PORT (port free?) and that --socket-dir "
+                            "is a short path (ipc paths are limited to about 100 characters)") from None
         self.live: dict[str, _Live] = {}  # engine request id -> request
         self.outbox: dict[bytes, deque[list[bytes] | tuple[str, dict, str]]] = {}
         self.last_sent: dict[bytes, float] = {}
@@ -127,13 +137,15 @@ class Server:
         code = 0
         try:
             while True:
-                busy = self.engine.has_unfinished() or any(self.outbox.values())
+                # NOTE: replies stuck behind a full client pipe only need a retry now and then;
+                # counting them as busy would spin the loop at 100% CPU.
+                timeout = 0 if self.engine.has_unfinished() else (10 if self.outbox else 100)
                 if self.stopping and not self.live:
                     break
                 if self.stopping and time.monotonic() > (self.drain_deadline or 0):
                     self._cancel_all(ErrorCode.CANCELLED, "the daemon is shutting down")
                     break
-                if poller.poll(0 if busy else 100):
+                if poller.poll(timeout):
                     self._drain_incoming()
                 if self.engine.has_unfinished():
                     if not self._step():
@@ -144,7 +156,7 @@ class Server:
                 self._publish_stats()
         finally:
             self._flush_outbox()
-            self.router.close(0)
+            self.router.close(2000)  # give the last replies (done, cancelled) time to leave
             self.pub.close(0)
             self.ctx.term()
         log.info("stopped")
@@ -176,11 +188,14 @@ class Server:
                     self.num_dropped += 1
                     log.debug("dropped a malformed message: %s", e)
                 continue
+            rid = msg.content.get("request_id") if isinstance(msg.content.get("request_id"), str) else None
             try:
                 self._handle(identity, msg)
             except ProtocolError as e:
-                rid = msg.content.get("request_id") if isinstance(msg.content.get("request_id"), str) else None
                 self._error(identity, msg.msg_id, e.code, str(e), rid)
+            except Exception as e:  # a bug must cost one request, never the daemon
+                log.exception("failed to handle a %s message", msg.type)
+                self._error(identity, msg.msg_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", rid)
 
     def _handle(self, identity: bytes, msg: Any) -> None:
         c = msg.content
@@ -222,8 +237,11 @@ class Server:
             messages = parse_messages(c["messages"])
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "this model has no chat template; send a prompt")
-            return [int(t) for t in self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+            try:
+                return [int(t) for t in self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+            except Exception as e:  # templates raise on e.g. roles that do not alternate
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"the chat template refused these messages: {e}") from None
         return [int(t) for t in self.tokenizer.encode(parse_prompt(c["prompt"]))]
 
     def _generate(self, identity: bytes, msg: Any) -> None:
@@ -380,7 +398,9 @@ class Server:
         """Probe clients with requests in flight that we have not written to lately, so one that
         died while its request was queued or not streaming is noticed within a second or two."""
         now = time.monotonic()
-        for identity in {live.identity for live in self.live.values()}:
+        active = {live.identity for live in self.live.values()}
+        self.last_sent = {i: t for i, t in self.last_sent.items() if i in active or i in self.outbox}
+        for identity in active:
             if now - self.last_sent.get(identity, 0.0) > KEEPALIVE_INTERVAL_S and identity not in self.outbox:
                 self._queue(identity, ("keepalive", {}, ""))
                 self.last_sent[identity] = now

@@ -169,6 +169,7 @@ class Client:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(self.connection[endpoint])
         self._pending: dict[str, deque[Message]] = {}
+        self._discard: set[str] = set()  # keys of requests we cancelled without waiting
         self._ids = itertools.count()
         self._prefix = os.urandom(3).hex()
 
@@ -195,7 +196,10 @@ class Client:
         while True:
             box = self._pending.get(key)
             if box:
-                return box.popleft()
+                msg = box.popleft()
+                if not box:
+                    del self._pending[key]  # no key outlives its messages
+                return msg
             if not self.socket.poll(int(timeout * 1000)):
                 raise DaemonNotRunningError(f"the llmd daemon did not answer for {timeout:.0f}s")
             frames = self.socket.recv_multipart()
@@ -203,8 +207,14 @@ class Client:
                 msg = decode(self.key, frames, REPLY_TYPES)
             except ProtocolError:
                 continue  # not from our daemon
-            if msg.type != "keepalive":
-                self._pending.setdefault(_route_key(msg), deque()).append(msg)
+            if msg.type == "keepalive":
+                continue
+            route = _route_key(msg)
+            if route in self._discard:
+                if msg.type in ("done", "error"):
+                    self._discard.discard(route)
+                continue
+            self._pending.setdefault(route, deque()).append(msg)
 
     def _call(self, msg_type: str, content: dict[str, Any] | None = None, timeout: float = SILENCE_TIMEOUT_S
               ) -> dict[str, Any]:
@@ -263,8 +273,9 @@ class Client:
             while True:
                 msg = _check(self._wait(f"req:{request_id}"))
                 if msg.type == "done":
-                    break
+                    return
         self._pending.pop(f"req:{request_id}", None)
+        self._discard.add(f"req:{request_id}")  # its last deltas and done are still on the way
 
     def subscribe_stats(self, timeout: float = SILENCE_TIMEOUT_S) -> Iterator[dict[str, Any]]:
         """Yield the daemon's stats as it publishes them (a few times a second)."""
@@ -294,6 +305,7 @@ class AsyncClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(self.connection[endpoint])
         self._queues: dict[str, asyncio.Queue[Message]] = {}
+        self._discard: set[str] = set()
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._prefix = os.urandom(3).hex()
@@ -321,8 +333,14 @@ class AsyncClient:
                 msg = decode(self.key, frames, REPLY_TYPES)
             except ProtocolError:
                 continue
-            if msg.type != "keepalive":
-                self._queue(_route_key(msg)).put_nowait(msg)
+            if msg.type == "keepalive":
+                continue
+            route = _route_key(msg)
+            if route in self._discard:
+                if msg.type in ("done", "error"):
+                    self._discard.discard(route)
+                continue
+            self._queue(route).put_nowait(msg)
 
     async def _send(self, msg_type: str, content: dict[str, Any]) -> str:
         if self._reader is None:
@@ -343,7 +361,10 @@ class AsyncClient:
     async def _call(self, msg_type: str, content: dict[str, Any] | None = None) -> dict[str, Any]:
         self._last_heard = time.monotonic()
         msg_id = await self._send(msg_type, content or {})
-        return _check(await self._wait(f"msg:{msg_id}")).content
+        try:
+            return _check(await self._wait(f"msg:{msg_id}")).content
+        finally:
+            self._queues.pop(f"msg:{msg_id}", None)
 
     async def health(self) -> dict[str, Any]:
         return await self._call("health")
@@ -362,11 +383,12 @@ class AsyncClient:
         self._last_heard = time.monotonic()
         await self._send("generate", _generate_content(rid, prompt, messages, token_ids, True, params))
         key = f"req:{rid}"
-        done = False
+        done = accepted = False
         text: list[str] = []
         tokens: list[int] = []
         try:
             _check(await self._wait(key))
+            accepted = True
             while not done:
                 msg = _check(await self._wait(key))
                 if msg.type == "delta":
@@ -379,8 +401,12 @@ class AsyncClient:
                     done = True
                     yield _result(rid, msg.content, "".join(text), tokens)
         finally:
-            if not done:
-                await self.cancel(rid)
+            if accepted and not done and not self.socket.closed:
+                self._discard.add(key)  # its last messages are still on the way
+                try:
+                    await self.cancel(rid)
+                except zmq.ZMQError:
+                    pass  # the client is closing
             self._queues.pop(key, None)
 
     def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> AsyncIterator[Delta | Result]:

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 from daemon_helpers import daemon_env, start_daemon, stop_daemon
-from tiny_models import make_hf_model, save_hf_model
+from tiny_models import CHAT_TEMPLATE, make_hf_model, save_hf_model
 
 from llmd.client import Client
 from llmd.protocol import PROTOCOL, REPLY_TYPES, decode, encode, sign
@@ -28,6 +28,14 @@ pytestmark = pytest.mark.slow
 def daemon(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("wire")
     model = save_hf_model(make_hf_model("llama"), tmp / "model", with_tokenizer=True)
+    # A chat template that raises, as Mistral's and Llama 2's do when roles do not alternate.
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    strict = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversations must start with a user "
+              "message') }}{% endif %}")
+    (model / "chat_template.jinja").write_text(strict + CHAT_TEMPLATE)
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
     env = daemon_env(tmp)
     conn = start_daemon(model, tmp / "run", env=env)
     yield tmp / "run", conn
@@ -112,6 +120,7 @@ BAD_GENERATES = [
     {"request_id": "a", "messages": [{"role": "robot", "content": "hi"}]},
     {"request_id": "a", "messages": [{"role": "user"}]},
     {"request_id": "a", "messages": "hi"},
+    {"request_id": "a", "messages": [{"role": "assistant", "content": "hi"}]},  # the template raises
 ]
 
 
@@ -165,3 +174,14 @@ def test_a_client_written_from_the_protocol_doc(daemon) -> None:
     assert seen["cancel"] == ["error", "unknown_request"]
     assert seen["tokenize"] == ["tokens", 2]
     assert seen["stats"][0] == "stats" and seen["stats"][1] > 0
+
+
+def test_template_errors_in_tokenize_are_typed_too(daemon) -> None:
+    _, conn = daemon
+    raw = Raw(conn)
+    raw.send("tokenize", {"messages": [{"role": "assistant", "content": "x"}]}, "tok")
+    msg = raw.recv()
+    assert msg.type == "error" and msg.content["code"] == "bad_request" and "user message" in msg.content["message"]
+    raw.send("tokenize", {"messages": [{"role": "user", "content": "x"}]}, "tok2")
+    assert raw.recv().type == "tokens"
+    assert raw.works()

@@ -212,3 +212,25 @@ def test_emoji_and_cjk_stream_whole_through_request_detokenizer() -> None:
     assert "".join(deltas) == "日本語 😀 "
     assert all("\ufffd" not in d for d in deltas)
     assert any(len(d) == 1 and ord(d) > 0xFFFF for d in deltas)  # the emoji arrived in one piece
+
+
+def test_tiny_temperature_is_greedy_not_nan() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]] * 50)
+    assert set(Sampler()(logits, rows(SamplingParams(temperature=1e-30), 50)).token_ids) == {1}
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop(model_dir: Path) -> None:
+    engine = make_engine(model_dir, num_blocks=64)
+    tok = engine.tokenizer
+    prompt = tok.encode("hello")
+    free = run_engine(engine, [(0, "a", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))])["a"]
+    text = tok.decode(free, skip_special_tokens=True)
+    last = tok.decode(free[-1:], skip_special_tokens=True)
+    if not last or last in text[:-len(last)]:
+        pytest.skip("the last token's text also occurs earlier")
+    engine.add_request("b", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[last]))
+    deltas = []
+    while engine.has_unfinished():
+        deltas.extend(engine.step())
+    assert deltas[-1].finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == text[:-len(last)]

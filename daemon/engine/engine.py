@@ -185,6 +185,8 @@ class LLMEngine:
         stopped_by_token = seq.finish_reason is FinishReason.STOP
         text, stopped = ("", False) if stopped_by_token else req.detok.push(token)
         if stopped:
+            if seq.is_finished:  # the stop string completed on the last allowed token
+                seq.finish_reason = FinishReason.STOP
             self.scheduler.finish(seq, FinishReason.STOP)
         elif seq.is_finished:
             rest, stopped = req.detok.flush()

@@ -41,7 +41,7 @@ class Sampler:
         if all(r.params.greedy for r in rows):
             return self._result(greedy_tokens.tolist(), raw_logprobs, rows)
         device = logits.device
-        temperature = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
+        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=device)
         logits = logits / temperature[:, None]
         logits = self._top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)

@@ -98,4 +98,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # NOTE: below ~1e-5 dividing logits by the temperature overflows float32; it is greedy anyway.
+        return self.temperature < 1e-5
