@@ -87,6 +87,23 @@ def _route_key(msg: Message) -> str:
     return f"req:{rid}" if isinstance(rid, str) else f"msg:{msg.parent}"
 
 
+def _accept(key: bytes, frames: list[bytes], discard: set[str]) -> tuple[str, Message] | None:
+    """Decode a reply and pick its queue; None for keepalives, forgeries and the leftovers of
+    requests cancelled without waiting (whose key is dropped from ``discard`` at their end)."""
+    try:
+        msg = decode(key, frames, REPLY_TYPES)
+    except ProtocolError:
+        return None  # not from our daemon
+    if msg.type == "keepalive":
+        return None
+    route = _route_key(msg)
+    if route in discard:
+        if msg.type in ("done", "error"):
+            discard.discard(route)
+        return None
+    return route, msg
+
+
 def _generate_content(request_id: str, prompt: str | None, messages: list[dict[str, str]] | None,
                       token_ids: list[int] | None, stream: bool, params: dict[str, Any]) -> dict[str, Any]:
     given = [x is not None for x in (prompt, messages, token_ids)]
@@ -202,19 +219,9 @@ class Client:
                 return msg
             if not self.socket.poll(int(timeout * 1000)):
                 raise DaemonNotRunningError(f"the llmd daemon did not answer for {timeout:.0f}s")
-            frames = self.socket.recv_multipart()
-            try:
-                msg = decode(self.key, frames, REPLY_TYPES)
-            except ProtocolError:
-                continue  # not from our daemon
-            if msg.type == "keepalive":
-                continue
-            route = _route_key(msg)
-            if route in self._discard:
-                if msg.type in ("done", "error"):
-                    self._discard.discard(route)
-                continue
-            self._pending.setdefault(route, deque()).append(msg)
+            routed = _accept(self.key, self.socket.recv_multipart(), self._discard)
+            if routed is not None:
+                self._pending.setdefault(routed[0], deque()).append(routed[1])
 
     def _call(self, msg_type: str, content: dict[str, Any] | None = None, timeout: float = SILENCE_TIMEOUT_S
               ) -> dict[str, Any]:
@@ -329,18 +336,9 @@ class AsyncClient:
         while True:
             frames = await self.socket.recv_multipart()
             self._last_heard = time.monotonic()
-            try:
-                msg = decode(self.key, frames, REPLY_TYPES)
-            except ProtocolError:
-                continue
-            if msg.type == "keepalive":
-                continue
-            route = _route_key(msg)
-            if route in self._discard:
-                if msg.type in ("done", "error"):
-                    self._discard.discard(route)
-                continue
-            self._queue(route).put_nowait(msg)
+            routed = _accept(self.key, frames, self._discard)
+            if routed is not None:
+                self._queue(routed[0]).put_nowait(routed[1])
 
     async def _send(self, msg_type: str, content: dict[str, Any]) -> str:
         if self._reader is None:
