@@ -69,6 +69,19 @@ class Int4Linear(nn.Module):
         self.register_buffer("mins", qweight.mins)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+        self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # built on first use
+
+    def weight(self) -> Int4Weight:
+        return Int4Weight(self.packed, self.scales, self.mins, self.group_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = dequantize_int4(Int4Weight(self.packed, self.scales, self.mins, self.group_size)).to(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        from llmd.kernels.quant_cpu import int4_mm_cpu, pack_int4_for_cpu, packed_kernels_pay
+
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if packed_kernels_pay(x):
+            if self._cpu_pack is None:
+                self._cpu_pack = pack_int4_for_cpu(self.weight())
+            out = int4_mm_cpu(x.reshape(-1, self.in_features), self._cpu_pack[0], self.group_size, self._cpu_pack[1])
+            out = out[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
+            return out if bias is None else out + bias
+        return F.linear(x, dequantize_int4(self.weight()).to(x.dtype), bias)

@@ -58,5 +58,12 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from llmd.kernels.quant_cpu import int8_mm_cpu, packed_kernels_pay
+
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.group_size == self.in_features and packed_kernels_pay(x):  # the kernel is per channel
+            out = int8_mm_cpu(x.reshape(-1, self.in_features), self.qweight, self.scales[:, 0])
+            out = out.reshape(*x.shape[:-1], self.out_features)
+            return out if bias is None else out + bias
         w = dequantize_int8(Int8Weight(self.qweight, self.scales, self.group_size)).to(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, w, bias)
