@@ -3,7 +3,7 @@
 A message is four ZeroMQ frames, ``[b"llmd/1", signature, header, content]`` (a ROUTER socket sees
 the sender's identity frame first). ``header`` and ``content`` are msgpack maps; ``signature`` is
 the lowercase hex HMAC-SHA256 of ``header + content`` under the key from the connection file.
-Nothing is ever unpickled or evaluated: msgpack decodes to plain maps, lists, strings and numbers,
+Nothing is ever deserialised into live objects or evaluated: msgpack decodes to plain maps, lists, strings and numbers,
 and every field is checked before use.
 """
 

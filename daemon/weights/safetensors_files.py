@@ -48,7 +48,7 @@ def find_safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise InvalidModelError(
-            f"{model_dir} has no *.safetensors weights (llmd reads safetensors or .gguf, never pickled .bin files)"
+            f"{model_dir} has no *.safetensors weights (llmd reads only safetensors or .gguf; .bin and .pt checkpoints are not loaded)"
         )
     return files
 
