@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", nargs="+", default=["auto"],
                         help="one or more of auto, float32, bfloat16, run one after the other (default: auto)")
+    parser.add_argument("--quant", nargs="+", default=["none"], help="none, int8 and/or int4 (default: none)")
     parser.add_argument("--hf", action="store_true", help="also run transformers generate, one request at a time")
     parser.add_argument("--hf-streams", type=int, default=4, help="requests for the transformers run")
     args = parser.parse_args()
@@ -87,15 +88,16 @@ def main() -> None:
           f"stream, max_num_batched_tokens {args.max_batched_tokens}")
     rows = []
     for dtype in args.dtype:
-        llm = LLM(max_num_batched_tokens=args.max_batched_tokens, dtype=dtype)
-        run_llmd(llm, 2, 8)  # warm-up
-        name = f"llmd {str(llm.engine.model.dtype).removeprefix('torch.')}"
-        rows += [(name, run_llmd(llm, n, args.max_tokens)) for n in args.streams]
+        for quant in args.quant:
+            llm = LLM(max_num_batched_tokens=args.max_batched_tokens, dtype=dtype, quant=quant)
+            run_llmd(llm, 2, 8)  # warm-up
+            name = f"llmd {str(llm.engine.model.dtype).removeprefix('torch.')}" + ("" if quant == "none" else f" {quant}")
+            rows += [(name, run_llmd(llm, n, args.max_tokens)) for n in args.streams]
     if args.hf:
         rows.append(("transformers", run_hf(llm, args.hf_streams, args.max_tokens)))
-    print(f"{'engine':<16}{'streams':>8}{'agg tok/s':>11}{'stream tok/s':>14}{'TTFT p50':>10}{'TTFT max':>10}")
+    print(f"{'engine':<22}{'streams':>8}{'agg tok/s':>11}{'stream tok/s':>14}{'TTFT p50':>10}{'TTFT max':>10}")
     for name, r in rows:
-        print(f"{name:<16}{r['streams']:>8}{r['aggregate_tok_s']:>11.1f}{r['per_stream_tok_s']:>14.1f}"
+        print(f"{name:<22}{r['streams']:>8}{r['aggregate_tok_s']:>11.1f}{r['per_stream_tok_s']:>14.1f}"
               f"{r['ttft_p50_s']:>9.2f}s{r['ttft_max_s']:>9.2f}s")
 
 

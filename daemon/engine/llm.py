@@ -29,20 +29,24 @@ class LLM:
         model: ``--model`` value (path, repo id in the HF cache, or None for the default model).
         dtype: ``auto`` (bf16 where the CPU multiplies it natively, else fp32), ``float32``,
             ``bfloat16`` or ``float16``.
+        quant: ``none``, ``int8`` or ``int4`` for the projections; ``group_size`` 32/64/128.
         **engine_config: :class:`EngineConfig` fields (``num_blocks``, ``block_size``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str = "auto",
-                 **engine_config: Any) -> None:
+                 quant: str = "none", group_size: int | None = None, **engine_config: Any) -> None:
         from llmd.daemon.device import resolve_dtype
         from llmd.daemon.loader import load_model
         from llmd.daemon.model_source import resolve_model
         from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
 
         source = resolve_model(model)
+        from llmd.quant.apply import QuantConfig
+
         config = EngineConfig(**engine_config)  # validate before the slow part
-        loaded = load_model(source, dtype=resolve_dtype(dtype))
+        self.quant = QuantConfig(quant, group_size)
+        loaded = load_model(source, dtype=resolve_dtype(dtype), quant=self.quant)
         self.source = source
         self.tokenizer = load_tokenizer(source)
         self.engine = LLMEngine(loaded.model, self.tokenizer, config,
