@@ -17,33 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from llmd.errors import LlmdError
-from llmd.paths import CONNECTION_FILE, LOCK_FILE
+from llmd.paths import CONNECTION_FILE, LOCK_FILE, read_connection_file
 
 
 class AlreadyRunningError(LlmdError):
     pass
-
-
-def read_connection_file(run_dir: Path) -> dict[str, Any] | None:
-    """The running daemon's connection info, or None if there is no live daemon."""
-    path = run_dir / CONNECTION_FILE
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(info, dict) or not isinstance(info.get("pid"), int) or not _alive(info["pid"]):
-        return None
-    return info
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

@@ -72,20 +72,17 @@ def paged_attention(
     for i in range(1, len(query_lens)):
         starts[i] = starts[i - 1] + query_lens[i - 1]
     decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    # NOTE: decode rows (one new token each) go through one batched computation instead of one
+    # SDPA call per sequence: with many streams the per-call overhead dominated a step.
     if decode_rows:
-        # NOTE: decode rows (one new token each) go through one batched computation instead of
-        # one SDPA call per sequence: with many streams the per-call overhead dominated a step.
         token_idx = torch.tensor([starts[i] for i in decode_rows], device=query.device)
         out[token_idx] = decode_attention(
             query[token_idx], k_cache, v_cache, [seq_lens[i] for i in decode_rows],
             block_tables[decode_rows], scale, sliding_window,
         )
-        done = set(decode_rows)
-    else:
-        done = set()
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
-        if i in done:
-            continue
+        if q_len == 1:
+            continue  # done above
         start = starts[i]
         num_blocks = -(-s_len // block_size)
         block_ids = block_tables[i, :num_blocks]

@@ -196,8 +196,7 @@ def _start_background(args: argparse.Namespace) -> int:
     import time
 
     from llmd.client import Client, DaemonNotRunningError, load_connection
-    from llmd.daemon.runtime_files import read_connection_file
-    from llmd.paths import log_file, runtime_dir
+    from llmd.paths import log_file, read_connection_file, runtime_dir
 
     run_dir = runtime_dir(args.socket_dir)
     running = read_connection_file(run_dir)

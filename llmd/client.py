@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import time
 from collections import deque
@@ -25,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from llmd.errors import LlmdError
-from llmd.paths import CONNECTION_FILE, runtime_dir
+from llmd.paths import read_connection_file, runtime_dir
 from llmd.protocol import REPLY_TYPES, Message, ProtocolError, decode, encode, new_msg_id
 
 SILENCE_TIMEOUT_S = 15.0  # the daemon writes at least every second while a request is in flight
@@ -67,18 +66,9 @@ def load_connection(socket_dir: str | os.PathLike[str] | None = None) -> dict[st
     Raises:
         DaemonNotRunningError: no connection file, or its daemon process is gone.
     """
-    path = runtime_dir(socket_dir, create=False) / CONNECTION_FILE
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise DaemonNotRunningError("no llmd daemon is running; start one with `llmd start`") from None
-    pid = info.get("pid")
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, TypeError, ValueError):
-        raise DaemonNotRunningError(f"the llmd daemon (pid {pid}) is gone; start one with `llmd start`") from None
-    except PermissionError:
-        pass
+    info = read_connection_file(runtime_dir(socket_dir, create=False))
+    if info is None:
+        raise DaemonNotRunningError("no llmd daemon is running; start one with `llmd start`")
     return info
 
 
@@ -127,6 +117,14 @@ def _stats_socket(ctx: zmq.Context, connection: dict[str, Any]) -> zmq.Socket:
     sub.setsockopt(zmq.RCVHWM, 4)
     sub.connect(connection["stats"])
     return sub
+
+
+def _stats_content(key: bytes, frames: list[bytes]) -> dict[str, Any] | None:
+    """A published stats message (frames after the topic), or None if it is not our daemon's."""
+    try:
+        return decode(key, frames[1:], ("stats",)).content
+    except ProtocolError:
+        return None
 
 
 def _check(msg: Message) -> Message:
@@ -291,11 +289,9 @@ class Client:
             while True:
                 if not sub.poll(int(timeout * 1000)):
                     raise DaemonNotRunningError("the llmd daemon stopped publishing stats")
-                frames = sub.recv_multipart()
-                try:
-                    yield decode(self.key, frames[1:], ("stats",)).content
-                except ProtocolError:
-                    continue
+                stats = _stats_content(self.key, sub.recv_multipart())
+                if stats is not None:
+                    yield stats
         finally:
             sub.close(0)
 
@@ -417,11 +413,9 @@ class AsyncClient:
         sub = _stats_socket(self.ctx, self.connection)
         try:
             while True:
-                frames = await sub.recv_multipart()
-                try:
-                    yield decode(self.key, frames[1:], ("stats",)).content
-                except ProtocolError:
-                    continue
+                stats = _stats_content(self.key, await sub.recv_multipart())
+                if stats is not None:
+                    yield stats
         finally:
             sub.close(0)
 

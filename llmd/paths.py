@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from llmd.errors import LlmdError
 
@@ -40,6 +42,27 @@ def runtime_dir(override: str | os.PathLike[str] | None = None, create: bool = T
             # NOTE: the sockets in here accept requests; nobody else may reach them.
             os.chmod(path, 0o700)
     return path
+
+
+def read_connection_file(run_dir: Path) -> dict[str, Any] | None:
+    """The running daemon's connection info, or None if there is no file or its daemon is gone."""
+    try:
+        info = json.loads((run_dir / CONNECTION_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("pid"), int) or not _alive(info["pid"]):
+        return None
+    return info
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
 
 
 def state_dir() -> Path:

@@ -139,11 +139,8 @@ def _unpack(data: bytes, what: str) -> dict[str, Any]:
     return value
 
 
-def require_str(content: dict[str, Any], field: str, max_chars: int = MAX_ID_CHARS, optional: bool = False
-                ) -> str | None:
+def require_str(content: dict[str, Any], field: str, max_chars: int = MAX_ID_CHARS) -> str:
     value = content.get(field)
-    if value is None and optional:
-        return None
     if not isinstance(value, str) or not 0 < len(value) <= max_chars:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{field} must be a string of 1 to {max_chars} characters")
     return value

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from tiny_models import hf_greedy, make_hf_model, make_tiny_tokenizer, save_hf_model
 
 from llmd.cli import main

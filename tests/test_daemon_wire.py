@@ -19,7 +19,7 @@ from daemon_helpers import daemon_env, start_daemon, stop_daemon
 from tiny_models import CHAT_TEMPLATE, make_hf_model, save_hf_model
 
 from llmd.client import Client
-from llmd.protocol import PROTOCOL, REPLY_TYPES, decode, encode, sign
+from llmd.protocol import PROTOCOL, REPLY_TYPES, decode, sign
 
 pytestmark = pytest.mark.slow
 

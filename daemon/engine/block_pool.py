@@ -142,11 +142,3 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (e.g. after the model changes). Held blocks are unaffected."""
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-        self.cached.clear()
-        self.num_cached_free = 0

@@ -202,10 +202,6 @@ class LLMEngine:
             self.runner.release(seq.request_id)
         return delta
 
-    def get_text(self, request_id: str) -> str | None:
-        req = self.requests.get(request_id)
-        return None if req is None else req.detok.text
-
     def stats(self) -> EngineStats:
         usage = self.kv.usage
         prefill_tps, decode_tps = self.meter.rates()

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence as Seq
 from typing import Any
 
 from llmd.daemon.engine.engine import EngineConfig, LLMEngine
-from llmd.daemon.engine.outputs import RequestDelta, RequestMetrics, RequestOutput
+from llmd.daemon.engine.outputs import RequestDelta, RequestOutput
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.errors import RequestError
 
@@ -131,5 +131,3 @@ def _join(request_id: str, prompt_ids: list[int], deltas: list[RequestDelta]) ->
         metrics=metrics, logprobs=logprobs or None,
     )
 
-
-__all__ = ["LLM", "RequestMetrics"]

@@ -38,7 +38,6 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    num_preempted: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +75,6 @@ class Scheduler:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted = True
-                batch.num_preempted += 1
                 if victim is seq:
                     break
             else:
