@@ -18,7 +18,8 @@ from llmd.daemon.progress import progress
 from llmd.daemon.weights.gguf_file import GGUFModelFile
 from llmd.daemon.weights.safetensors_files import find_safetensors_files, iter_safetensors, validate_safetensors
 from llmd.errors import CorruptModelError, InvalidModelError
-from llmd.quant.apply import QuantConfig, quantize_linears
+from llmd.quant.apply import (BNB_SCHEMES, QuantConfig, describe, gguf_blocks_wanted, linear_factory, plan_linears,
+                              prepare, quantize_linears, weight_memory)
 
 log = logging.getLogger("llmd")
 
@@ -54,31 +55,41 @@ def load_config(source: ModelSource) -> ModelConfig:
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
                quant: QuantConfig | None = None) -> LoadedModel:
-    """Build our model for ``source``, load its weights and quantise it if ``quant`` says so.
+    """Build our model for ``source``, load its weights, held as ``quant`` says (dense if None).
 
     Raises:
         LlmdError subclasses for every problem a user can cause (see llmd.errors).
     """
     start = time.perf_counter()
+    quant = quant or QuantConfig("none")
+    gguf_types = None
     if source.kind == "gguf":
         gguf = GGUFModelFile(source.path)
         config = gguf.config()
         gguf.check_tensor_types()
-        weights, total = gguf.iter_tensors(config), gguf.num_tensors
+        gguf_types = gguf.tensor_types()
     else:
         config = load_config(source)
         files = find_safetensors_files(source.path)
+    try:
+        plan = plan_linears(config, quant, device, gguf_types)
+    except ValueError as e:
+        raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
+    if gguf_types is not None:
+        weights, total = gguf.iter_tensors(config, gguf_blocks_wanted(plan, gguf_types)), gguf.num_tensors
+    else:
         total = sum(len(validate_safetensors(f)) for f in files)
         weights = iter_safetensors(files)
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype=dtype)
+        model = LlamaForCausalLM(config, dtype=dtype, make_linear=linear_factory(plan))
     model.load_weights(progress(weights, total, f"loading {source.name}"))
-    if quant is not None and quant.scheme != "none":
+    if quant.scheme in BNB_SCHEMES:
         try:
             quantize_linears(model, quant)
         except ValueError as e:
-            raise InvalidModelError(f"cannot quantise {source.name} as {quant.describe()}: {e}") from None
+            raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
+    prepare(model)
     model.eval()
-    log.info("loaded %s (%s, %d layers) in %.1fs", source.name, config.model_type, config.num_layers,
-             time.perf_counter() - start)
+    log.info("loaded %s (%s, %d layers) in %.1fs; weights: %s", source.name, config.model_type, config.num_layers,
+             time.perf_counter() - start, describe(weight_memory(model)))
     return LoadedModel(model=model, config=config, source=source)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from llmd.daemon.runtime_files import RuntimeFiles
-from llmd.quant.apply import QuantConfig, weight_bytes
+from llmd.quant.apply import QuantConfig, describe, describe_quant, weight_memory
 from llmd.errors import LlmdError
 from llmd.paths import runtime_dir
 
@@ -28,7 +28,7 @@ class DaemonOptions:
     tcp: str | None = None
     max_queue_len: int = 256
     drain_timeout: float = 10.0
-    quant: str = "none"
+    quant: str = "auto"
     group_size: int | None = None
 
 
@@ -91,16 +91,18 @@ def serve(opts: DaemonOptions) -> int:
         tokenizer = load_tokenizer(source)
         engine = LLMEngine(loaded.model, tokenizer, engine_config,
                            eos_token_ids=stop_token_ids(tokenizer, loaded.config))
+        memory = weight_memory(loaded.model)
         info = {"model": source.name, "model_path": str(source.path), "model_type": loaded.config.model_type,
                 "device": device, "dtype": str(dtype).removeprefix("torch."),
-                "quantization": quant.describe(), "weight_bytes": weight_bytes(loaded.model),
+                "quantization": describe_quant(loaded.model, quant), "weight_bytes": sum(memory.values()),
+                "weight_memory": memory,
                 "kv_cache_blocks": engine.num_blocks,
                 "chat_template": bool(getattr(tokenizer, "chat_template", None))}
         server = Server(engine, files, info, server_config)
         files.write_connection_file({**info, **server.endpoints})
-        log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens) after %.1fs", source.name,
+        log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens; weights %s) after %.1fs", source.name,
                  files.requests_endpoint, device, info["dtype"], engine.num_blocks, opts.block_size,
-                 time.monotonic() - start)
+                 describe(memory), time.monotonic() - start)
         return server.run()
     finally:
         files.release()

@@ -16,11 +16,11 @@ from llmd.quant.common import unpack_int4
 from llmd.quant.int4 import Int4Weight
 
 
-def packed_kernels_pay(x: torch.Tensor) -> bool:
-    """Whether the packed kernels beat dequantise-and-multiply for activations like ``x``."""
+def packed_kernels_pay(dtype: torch.dtype) -> bool:
+    """Whether on this CPU the packed kernels beat dequantise-and-multiply for ``dtype`` activations."""
     from llmd.daemon.device import cpu_has_fast_bf16
 
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and cpu_has_fast_bf16()
+    return dtype == torch.bfloat16 and cpu_has_fast_bf16()
 
 
 def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +31,8 @@ def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     (scale 0, zero 0) whose outputs the caller slices off.
     """
     q = unpack_int4(qw.packed).to(torch.int32)
-    scales, zeros = qw.scales, qw.mins + 8 * qw.scales
+    scales = qw.scales.float()
+    zeros = qw.mins.float() + 8 * scales
     pad = -q.shape[0] % 16
     if pad:
         q = torch.cat((q, torch.zeros(pad, q.shape[1], dtype=q.dtype)))

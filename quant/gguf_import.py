@@ -6,7 +6,7 @@ Block layouts (32 weights per block, little endian):
   Q4_1  20 bytes: d (fp16), m (fp16), 16 bytes of nibbles     w = d * q + m
 In a Q4 block byte ``j`` holds weight ``j`` in its low nibble and weight ``j + 16`` in its high
 nibble; llmd packs neighbours (``2i``, ``2i + 1``), so the nibbles are re-packed (a permutation,
-lossless) and the fp16 scales widened to fp32 (exact).
+lossless); the fp16 scales and mins are kept as they are.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
 
 
 def _fp16(b: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0])
+    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0].copy())
 
 
 def _nibbles(qs: np.ndarray) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 One representation serves both: ``w ~= scale * q + min`` with ``q`` in [0, 15] per group.
 Symmetric quantisation stores ``min = -8 * scale`` (``w ~= scale * (q - 8)``, as GGUF Q4_0);
-asymmetric stores the group's minimum (as GGUF Q4_1).
+asymmetric stores the group's minimum (as GGUF Q4_1). Scales and mins are fp16, as GGUF stores
+them: the GGUF import is then exact, and a group costs 4 bytes on top of its nibbles.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from torch import nn
 from llmd.quant.common import grouped, pack_int4, unpack_int4
 
 GROUP_SIZES = (32, 64, 128)
+# fp16's smallest normal number: a smaller scale would lose precision to subnormals.
+_MIN_SCALE = 2.0 ** -14
 
 
 @dataclass(slots=True)
 class Int4Weight:
     packed: torch.Tensor  # uint8 [N, K / 2]
-    scales: torch.Tensor  # fp32 [N, K / group_size]
-    mins: torch.Tensor  # fp32 [N, K / group_size]
+    scales: torch.Tensor  # fp16 [N, K / group_size]
+    mins: torch.Tensor  # fp16 [N, K / group_size]
     group_size: int
 
     @property
@@ -36,52 +39,110 @@ class Int4Weight:
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 128, symmetric: bool = False) -> Int4Weight:
-    """Quantise ``[N, K]`` to INT4 per group of ``group_size`` input features."""
+    """Quantise ``[N, K]`` to INT4 per group of ``group_size`` input features.
+
+    Scales and mins are rounded to fp16 before ``q`` is chosen, so every weight stays within half a
+    step of its stored value.
+    """
     if group_size not in GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
     w = weight.float()
     wg = grouped(w, group_size)
     if symmetric:
-        scales = wg.abs().amax(dim=-1).clamp(min=1e-12) / 7.0
+        scales = (wg.abs().amax(dim=-1) / 7.0).clamp(min=_MIN_SCALE).half().float()
         mins = -8.0 * scales
     else:
         lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-        scales = ((hi - lo) / 15.0).clamp(min=1e-12)
-        mins = lo
+        scales = ((hi - lo) / 15.0).clamp(min=_MIN_SCALE).half().float()
+        mins = lo.half().float()
     q = torch.round((wg - mins[..., None]) / scales[..., None]).clamp(0, 15)
-    return Int4Weight(pack_int4(q.reshape(w.shape)), scales, mins, group_size)
+    return Int4Weight(pack_int4(q.reshape(w.shape)), scales.half(), mins.half(), group_size)
 
 
 def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
+    """``[N, K]`` fp32 values of ``qw``."""
     q = grouped(unpack_int4(qw.packed).float(), qw.group_size)
-    return (q * qw.scales[..., None] + qw.mins[..., None]).reshape(qw.shape)
+    return (q * qw.scales.float()[..., None] + qw.mins.float()[..., None]).reshape(qw.shape)
 
 
 class Int4Linear(nn.Module):
-    """``y = x W^T + b`` with INT4 ``W``; torch reference path (dequantise, then multiply)."""
+    """``y = x W^T + b`` with an INT4 ``W``, filled row block by row block (:meth:`load_rows`).
 
-    def __init__(self, qweight: Int4Weight, bias: torch.Tensor | None = None) -> None:
+    The path follows the device: Triton on CUDA; on a CPU with fast bf16, torch's packed int4
+    kernel after :meth:`prepare` converts the weight to its layout (and drops ours, so one copy is
+    held); otherwise the reference path, which dequantises and multiplies.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, symmetric: bool = False) -> None:
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.group_size = qweight.group_size
-        self.register_buffer("packed", qweight.packed)
-        self.register_buffer("scales", qweight.scales)
-        self.register_buffer("mins", qweight.mins)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
+        if in_features % group_size:
+            raise ValueError(f"group size {group_size} must divide the input dimension {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.symmetric = group_size, symmetric
+        groups = in_features // group_size
+        self.register_buffer("packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(out_features, groups, dtype=torch.float16))
+        self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        # torch's CPU int4 layout, set by prepare() when that kernel is used.
+        self.register_buffer("cpu_packed", None)
+        self.register_buffer("cpu_scales_zeros", None)
 
-        self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # built on first use
+    @classmethod
+    def from_weight(cls, qweight: Int4Weight, bias: torch.Tensor | None = None) -> Int4Linear:
+        n, k = qweight.shape
+        dtype = torch.float32 if bias is None else bias.dtype
+        layer = cls(k, n, qweight.group_size, bias is not None, dtype)
+        layer.load_rows(0, qweight)
+        if bias is not None:
+            layer.bias.data.copy_(bias)
+        return layer
+
+    def load_rows(self, start: int, weight: torch.Tensor | Int4Weight) -> None:
+        """Fill output rows ``start:start + len(weight)``: an :class:`Int4Weight` with our group size
+        is copied as it is (lossless); anything else is (re)quantised first."""
+        if isinstance(weight, Int4Weight) and weight.group_size != self.group_size:
+            weight = dequantize_int4(weight)
+        if not isinstance(weight, Int4Weight):
+            weight = quantize_int4(weight, self.group_size, self.symmetric)
+        rows = slice(start, start + weight.shape[0])
+        self.packed[rows].copy_(weight.packed)
+        self.scales[rows].copy_(weight.scales)
+        self.mins[rows].copy_(weight.mins)
 
     def weight(self) -> Int4Weight:
+        if self.cpu_packed is not None:
+            raise RuntimeError("this layer's weight was converted to torch's CPU int4 layout by prepare()")
         return Int4Weight(self.packed, self.scales, self.mins, self.group_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from llmd.kernels.quant_cpu import int4_mm_cpu, pack_int4_for_cpu, packed_kernels_pay
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Once loaded: convert to the layout of the fastest kernel for activations of ``dtype``."""
+        from llmd.kernels.quant_cpu import pack_int4_for_cpu, packed_kernels_pay
 
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if packed_kernels_pay(x):
-            if self._cpu_pack is None:
-                self._cpu_pack = pack_int4_for_cpu(self.weight())
-            out = int4_mm_cpu(x.reshape(-1, self.in_features), self._cpu_pack[0], self.group_size, self._cpu_pack[1])
-            out = out[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
-            return out if bias is None else out + bias
-        return F.linear(x, dequantize_int4(self.weight()).to(x.dtype), bias)
+        if self.cpu_packed is None and self.packed.device.type == "cpu" and packed_kernels_pay(dtype):
+            self.cpu_packed, scales_and_zeros = pack_int4_for_cpu(self.weight())
+            self.cpu_scales_zeros = scales_and_zeros.to(dtype)
+            # Hold one copy: ours is emptied (the buffers stay, so state_dict keys do not change).
+            for name in ("packed", "scales", "mins"):
+                setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.cpu_packed is not None:
+            from llmd.kernels.quant_cpu import int4_mm_cpu
+
+            sz = self.cpu_scales_zeros
+            out = int4_mm_cpu(x2.to(sz.dtype), self.cpu_packed, self.group_size, sz)
+            out = out[:, :self.out_features].to(x.dtype)
+        elif x.is_cuda:
+            from llmd.kernels.quant_matmul_triton import int4_matmul
+
+            out = int4_matmul(x2, self.packed, self.scales, self.mins, self.group_size)
+        else:
+            out = F.linear(x2, dequantize_int4(self.weight()).to(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)

@@ -1,6 +1,7 @@
 """INT8 weight-only, symmetric, per output channel or per group (GGUF Q8_0 is group 32).
 
-``w ~= scale * q`` with ``q`` in [-127, 127] (the import of Q8_0 blocks may hold -128).
+``w ~= scale * q`` with ``q`` in [-127, 127] (the import of Q8_0 blocks may hold -128). Scales are
+fp16, as GGUF stores them.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.quant.common import grouped
+from llmd.quant.common import check_group_size, grouped
+
+_MIN_SCALE = 2.0 ** -14  # fp16's smallest normal number
 
 
 @dataclass(slots=True)
 class Int8Weight:
     qweight: torch.Tensor  # int8 [N, K]
-    scales: torch.Tensor  # fp32 [N, K / group_size]
+    scales: torch.Tensor  # fp16 [N, K / group_size]
     group_size: int
 
     @property
@@ -35,35 +38,74 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
     w = weight.float()
     g = group_size or w.shape[1]
     wg = grouped(w, g)
-    scales = wg.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    scales = (wg.abs().amax(dim=-1) / 127.0).clamp(min=_MIN_SCALE).half().float()
     q = torch.round(wg / scales[..., None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.reshape(w.shape), scales, g)
+    return Int8Weight(q.reshape(w.shape), scales.half(), g)
 
 
 def dequantize_int8(qw: Int8Weight) -> torch.Tensor:
+    """``[N, K]`` fp32 values of ``qw``."""
     q = grouped(qw.qweight.float(), qw.group_size)
-    return (q * qw.scales[..., None]).reshape(qw.shape)
+    return (q * qw.scales.float()[..., None]).reshape(qw.shape)
 
 
 class Int8Linear(nn.Module):
-    """``y = x W^T + b`` with INT8 ``W``. The CPU path dequantises and multiplies in torch (the
-    reference every faster kernel is checked against)."""
+    """``y = x W^T + b`` with an INT8 ``W``, filled row block by row block (:meth:`load_rows`).
 
-    def __init__(self, qweight: Int8Weight, bias: torch.Tensor | None = None) -> None:
+    ``group_size=None`` means one scale per output channel. The path follows the device: Triton on
+    CUDA; torch's packed int8 kernel for per-channel weights and bf16 activations on a CPU with fast
+    bf16; otherwise the reference path (dequantise, then multiply).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int | None = None, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.group_size = qweight.group_size
-        self.register_buffer("qweight", qweight.qweight)
-        self.register_buffer("scales", qweight.scales)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        group_size = group_size or in_features
+        check_group_size(in_features, group_size)
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.zeros(out_features, in_features // group_size, dtype=torch.float16))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_weight(cls, qweight: Int8Weight, bias: torch.Tensor | None = None) -> Int8Linear:
+        n, k = qweight.shape
+        dtype = torch.float32 if bias is None else bias.dtype
+        layer = cls(k, n, qweight.group_size, bias is not None, dtype)
+        layer.load_rows(0, qweight)
+        if bias is not None:
+            layer.bias.data.copy_(bias)
+        return layer
+
+    def load_rows(self, start: int, weight: torch.Tensor | Int8Weight) -> None:
+        """Fill output rows ``start:start + len(weight)``: an :class:`Int8Weight` with our group size
+        is copied as it is (lossless); anything else is (re)quantised first."""
+        if isinstance(weight, Int8Weight) and weight.group_size != self.group_size:
+            weight = dequantize_int8(weight)
+        if not isinstance(weight, Int8Weight):
+            weight = quantize_int8(weight, self.group_size)
+        rows = slice(start, start + weight.shape[0])
+        self.qweight[rows].copy_(weight.qweight)
+        self.scales[rows].copy_(weight.scales)
+
+    def weight(self) -> Int8Weight:
+        return Int8Weight(self.qweight, self.scales, self.group_size)
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Nothing to convert: torch's int8 kernel reads this layout."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from llmd.kernels.quant_cpu import int8_mm_cpu, packed_kernels_pay
 
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.group_size == self.in_features and packed_kernels_pay(x):  # the kernel is per channel
-            out = int8_mm_cpu(x.reshape(-1, self.in_features), self.qweight, self.scales[:, 0])
-            out = out.reshape(*x.shape[:-1], self.out_features)
-            return out if bias is None else out + bias
-        w = dequantize_int8(Int8Weight(self.qweight, self.scales, self.group_size)).to(x.dtype)
-        return F.linear(x, w, bias)
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda:
+            from llmd.kernels.quant_matmul_triton import int8_matmul
+
+            out = int8_matmul(x2, self.qweight, self.scales, self.group_size)
+        elif self.group_size == self.in_features and packed_kernels_pay(x.dtype):  # the kernel is per channel
+            out = int8_mm_cpu(x2, self.qweight, self.scales[:, 0])
+        else:
+            out = F.linear(x2, dequantize_int8(self.weight()).to(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)

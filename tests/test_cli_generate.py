@@ -19,7 +19,7 @@ def test_generate_streams_greedy_text(capsys, tmp_path: Path) -> None:
     tok = make_tiny_tokenizer()
     prompt_ids = tok.encode("Once upon a time")
     expected = tok.decode(hf_greedy(hf, prompt_ids, 12), skip_special_tokens=True)
-    code = main(["generate", "Once upon a time", "--model", str(path), "--raw", "--temperature", "0", "--dtype", "float32",
+    code = main(["generate", "Once upon a time", "--model", str(path), "--raw", "--temperature", "0", "--dtype", "float32", "--quant", "none",
                  "--max-tokens", "12"])
     out = capsys.readouterr()
     assert code == 0, out.err
@@ -38,7 +38,7 @@ def test_generate_chat_template_and_stop(capsys, tmp_path: Path) -> None:
     hf.generation_config.eos_token_id = greedy[k]
     path = save_hf_model(hf, tmp_path / "chat", with_tokenizer=True)
     code = main(["generate", "hi", "--model", str(path), "--chat", "--temperature", "0", "--max-tokens", "20",
-                 "--dtype", "float32"])
+                 "--dtype", "float32", "--quant", "none"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert out.out == tok.decode(greedy[:k], skip_special_tokens=True) + "\n"

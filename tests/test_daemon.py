@@ -23,6 +23,7 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
+from llmd.quant.apply import QuantConfig
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,8 @@ def daemon(model_dir: Path, tmp: Path, env: dict[str, str]):
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path):
-    gen = Generator(load_model(resolve_model(model_dir)).model)
+    # The daemon's default --quant auto holds this float checkpoint as INT4 g32: so must the reference.
+    gen = Generator(load_model(resolve_model(model_dir), quant=QuantConfig("auto")).model)
 
     def greedy(ids: list[int], n: int) -> list[int]:
         return list(gen.stream(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))

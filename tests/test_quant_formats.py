@@ -93,5 +93,5 @@ def test_quantised_linears_equal_linear_over_dequantised_weight() -> None:
     x = torch.randn(5, 256)
     q8 = quantize_int8(w, 32)
     q4 = quantize_int4(w, 64)
-    assert torch.allclose(Int8Linear(q8, b)(x), F.linear(x, dequantize_int8(q8), b), atol=1e-6)
-    assert torch.allclose(Int4Linear(q4)(x), F.linear(x, dequantize_int4(q4)), atol=1e-6)
+    assert torch.allclose(Int8Linear.from_weight(q8, b)(x), F.linear(x, dequantize_int8(q8), b), atol=1e-6)
+    assert torch.allclose(Int4Linear.from_weight(q4)(x), F.linear(x, dequantize_int4(q4)), atol=1e-6)

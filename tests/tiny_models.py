@@ -90,11 +90,12 @@ def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_llama_gguf(model: Any, path: Path, quantize_type: str = "F32",
-                     extra_tensor: tuple[str, str] | None = None) -> Path:
+                     extra_tensor: tuple[str, str] | None = None, per_module: dict[str, str] | None = None) -> Path:
     """Write a transformers Llama model as a llama.cpp-style GGUF file.
 
     Args:
         quantize_type: GGML type for the 2-D projection weights (``F32``, ``Q8_0``, ``Q4_0``...).
+        per_module: GGML type for some projections instead, by module (``{"self_attn.v_proj": "Q8_0"}``).
         extra_tensor: ``(name, ggml_type)`` to add a zero-filled tensor of another type, for tests
             of unsupported types.
     """
@@ -118,8 +119,9 @@ def write_llama_gguf(model: Any, path: Path, quantize_type: str = "F32",
         "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }
-    qtype = gguf.GGMLQuantizationType[quantize_type]
     for hf, tensor in model.state_dict().items():
+        module = ".".join(hf.split(".")[3:-1])
+        qtype = gguf.GGMLQuantizationType[(per_module or {}).get(module, quantize_type)]
         w = tensor.detach().float().numpy()
         if hf == "model.embed_tokens.weight":
             gname = "token_embd.weight"

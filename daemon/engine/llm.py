@@ -29,13 +29,14 @@ class LLM:
         model: ``--model`` value (path, repo id in the HF cache, or None for the default model).
         dtype: ``auto`` (bf16 where the CPU multiplies it natively, else fp32), ``float32``,
             ``bfloat16`` or ``float16``.
-        quant: ``none``, ``int8`` or ``int4`` for the projections; ``group_size`` 32/64/128.
+        quant: ``auto`` (a GGUF's own blocks, else INT4), ``none``, ``int8``, ``int4``, ``nf4`` or
+            ``bnb-int8`` for the projections; ``group_size`` 32/64/128 for int4/int8.
         **engine_config: :class:`EngineConfig` fields (``num_blocks``, ``block_size``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str = "auto",
-                 quant: str = "none", group_size: int | None = None, **engine_config: Any) -> None:
+                 quant: str = "auto", group_size: int | None = None, **engine_config: Any) -> None:
         from llmd.daemon.device import resolve_dtype
         from llmd.daemon.loader import load_model
         from llmd.daemon.model_source import resolve_model

@@ -7,6 +7,7 @@ loader, and a missing one is an error there, so random init would only cost time
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,8 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """``y = x W^T + b`` with ``W`` of shape ``[out_features, in_features]``.
 
-    Quantised schemes (llmd.quant) provide modules with the same call signature.
+    Quantised schemes (llmd.quant) provide modules with the same call signature, built through a
+    :data:`LinearFactory`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -44,6 +46,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+# (name, in_features, out_features, bias, dtype) -> module: how the model builds each projection.
+# ``name`` is the module's path (``model.layers.3.self_attn.qkv_proj``), so a quantisation plan
+# can choose per layer.
+LinearFactory = Callable[[str, int, int, bool, torch.dtype], nn.Module]
+
+
+def dense_linear(name: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Module:
+    return Linear(in_features, out_features, bias, dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

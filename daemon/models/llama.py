@@ -21,7 +21,7 @@ from torch import nn
 
 from llmd.daemon.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmd.daemon.config import ModelConfig
-from llmd.daemon.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from llmd.daemon.models.layers import Linear, LinearFactory, RMSNorm, RotaryEmbedding, apply_rope, dense_linear
 from llmd.errors import WeightMismatchError
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, make_linear: LinearFactory) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}.self_attn"
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -39,8 +40,9 @@ class Attention(nn.Module):
         self.kv_size = config.kv_size
         self.scale = config.head_dim ** -0.5
         self.sliding_window = config.sliding_windows[layer_idx]
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
+        self.qkv_proj = make_linear(f"{prefix}.qkv_proj", config.hidden_size, self.q_size + 2 * self.kv_size,
+                                    config.qkv_bias, dtype)
+        self.o_proj = make_linear(f"{prefix}.o_proj", self.q_size, config.hidden_size, config.o_proj_bias, dtype)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
@@ -64,11 +66,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, make_linear: LinearFactory) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}.mlp"
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+        self.gate_up_proj = make_linear(f"{prefix}.gate_up_proj", config.hidden_size, 2 * config.intermediate_size,
+                                        False, dtype)
+        self.down_proj = make_linear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -76,12 +80,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, make_linear: LinearFactory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, layer_idx, dtype)
+        self.self_attn = Attention(config, layer_idx, dtype, make_linear)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, layer_idx, dtype, make_linear)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
@@ -92,13 +96,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, make_linear: LinearFactory) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), _freeze=True,
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, make_linear) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
 
@@ -123,15 +127,17 @@ class LlamaForCausalLM(nn.Module):
         config: the model's shape.
         dtype: parameter and activation dtype (fp32 on the CPU).
         attn_backend: where attention runs; the torch reference by default.
+        make_linear: builds the decoder projections (dense by default; llmd.quant.plan for
+            quantised ones, which the loader fills through their ``load_rows``).
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 attn_backend: AttentionBackend | None = None) -> None:
+                 attn_backend: AttentionBackend | None = None, make_linear: LinearFactory = dense_linear) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.attn_backend = attn_backend or TorchAttentionBackend()
-        self.model = LlamaModel(config, dtype)
+        self.model = LlamaModel(config, dtype, make_linear)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -156,12 +162,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters.
 
+        A quantised projection (a module with ``load_rows``) takes its part of the weight as it
+        comes: a dense tensor, which it quantises, or quantised blocks, which it copies.
+
         Raises:
             WeightMismatchError: a tensor's shape disagrees with the config, or a parameter is
                 never loaded.
         """
         params = dict(self.named_parameters())
-        missing = {name: self._num_shards(name) for name in params}
+        by_rows = {f"{name}.weight": m for name, m in self.named_modules() if hasattr(m, "load_rows")}
+        missing = {name: self._num_shards(name) for name in [*params, *by_rows]}
         for name, tensor in weights:
             if _IGNORED_RE.search(name):
                 continue
@@ -171,32 +181,45 @@ class LlamaForCausalLM(nn.Module):
             if m := _FUSED_RE.match(name):
                 target, shard = _FUSED[m.group(2)]
                 target_name = f"{m.group(1)}{target}.{m.group(3)}"
-            if target_name not in params:
+            if target_name in by_rows:
+                module = by_rows[target_name]
+                start, rows = self._rows(target_name, module.out_features, shard)
+                self._check_shape(name, tensor, (rows, module.in_features))
+                module.load_rows(start, tensor)
+            elif target_name in params:
+                param = params[target_name]
+                start, rows = self._rows(target_name, param.shape[0], shard)
+                dest = param.data.narrow(0, start, rows)
+                self._check_shape(name, tensor, tuple(dest.shape))
+                dest.copy_(tensor)
+            else:
                 log.warning("ignoring checkpoint tensor %s: no such parameter", name)
                 continue
-            param = params[target_name]
-            dest = param.data if shard is None else self._shard(target_name, param.data, shard)
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise WeightMismatchError(
-                    f"tensor {name} has shape {tuple(tensor.shape)} but the model config implies "
-                    f"{tuple(dest.shape)}: the weights do not belong to this config"
-                )
-            dest.copy_(tensor)
             missing[target_name] -= 1
         not_loaded = sorted(name for name, left in missing.items() if left > 0)
         if not_loaded:
             shown = ", ".join(not_loaded[:3]) + (" ..." if len(not_loaded) > 3 else "")
             raise WeightMismatchError(f"{len(not_loaded)} weights missing from the checkpoint: {shown}")
 
+    @staticmethod
+    def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+        if tuple(tensor.shape) != tuple(expected):
+            raise WeightMismatchError(
+                f"tensor {name} has shape {tuple(tensor.shape)} but the model config implies "
+                f"{tuple(expected)}: the weights do not belong to this config"
+            )
+
     def _num_shards(self, name: str) -> int:
         if ".qkv_proj." in name:
             return 3
         return 2 if ".gate_up_proj." in name else 1
 
-    def _shard(self, name: str, data: torch.Tensor, shard: int) -> torch.Tensor:
+    def _rows(self, name: str, total: int, shard: int | None) -> tuple[int, int]:
+        """``(first row, row count)`` of ``shard`` within the fused weight ``name`` (all rows if None)."""
+        if shard is None:
+            return 0, total
         if ".qkv_proj." in name:
-            q, kv = self.config.q_size, self.config.kv_size
-            sizes = [q, kv, kv]
+            sizes = [self.config.q_size, self.config.kv_size, self.config.kv_size]
         else:
             sizes = [self.config.intermediate_size] * 2
-        return data.split(sizes, dim=0)[shard]
+        return sum(sizes[:shard]), sizes[shard]

@@ -1,4 +1,4 @@
-"""Reading a GGUF model file: its config, its tensors (dequantised for now) and its tokenizer.
+"""Reading a GGUF model file: its config, its tensors (dequantised, or as INT4/INT8 blocks) and its tokenizer.
 
 The ``gguf`` package parses the file through a memory map. It trusts the offsets in the header, so
 the file is validated here: the reader's own failures on a short file become a clear error, and
@@ -12,7 +12,7 @@ projections for its interleaved RoPE; :func:`unpermute_qk` undoes it for the rot
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ import torch
 
 from llmd.daemon.config import ModelConfig, RopeConfig, supported_models_line
 from llmd.errors import CorruptModelError, InvalidModelError, UnsupportedModelError, UnsupportedTensorTypeError
+from llmd.quant.int4 import Int4Weight
+from llmd.quant.int8 import Int8Weight
 
 # GGUF architectures we read, and the model_type each becomes. Mistral GGUFs say "llama".
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -57,10 +59,23 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{mapped}.{kind}" if mapped else None
 
 
-def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_qk(weight: Any, num_heads: int) -> Any:
     """Undo llama.cpp's q/k row permutation (interleaved RoPE -> rotate-half) on ``[out, ...]``."""
     half_dim = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, half_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _unpermute(data: torch.Tensor | Int4Weight | Int8Weight, num_heads: int
+               ) -> torch.Tensor | Int4Weight | Int8Weight:
+    """:func:`unpermute_qk` on a dense tensor, or on each row-indexed part of quantised blocks
+    (rows are quantised independently, so moving whole rows is exact)."""
+    if isinstance(data, Int4Weight):
+        return Int4Weight(*(unpermute_qk(x, num_heads).contiguous() for x in (data.packed, data.scales, data.mins)),
+                          data.group_size)
+    if isinstance(data, Int8Weight):
+        return Int8Weight(*(unpermute_qk(x, num_heads).contiguous() for x in (data.qweight, data.scales)),
+                          data.group_size)
+    return unpermute_qk(data, num_heads).contiguous()
 
 
 class GGUFModelFile:
@@ -185,20 +200,32 @@ class GGUFModelFile:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dim first
         return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
-    def iter_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, fp32 tensor)`` for every weight, dequantised and un-permuted."""
+    def tensor_types(self) -> dict[str, str]:
+        """GGUF type name (``Q4_1``, ``F32``, ...) of every weight, by its Hugging Face name."""
+        return {name: t.tensor_type.name for t in self.reader.tensors if (name := hf_name(t.name))}
+
+    def iter_tensors(self, config: ModelConfig, blocks: Collection[str] = ()
+                     ) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
+        """Yield ``(hf_name, weight)`` for every weight, un-permuted: an fp32 tensor, or for the
+        names in ``blocks`` (Q4_0/Q4_1/Q8_0 tensors only) the blocks as llmd INT4/INT8 weights."""
+        from llmd.quant.gguf_import import import_q4_0, import_q4_1, import_q8_0
+
+        importers = {"Q4_0": import_q4_0, "Q4_1": import_q4_1, "Q8_0": import_q8_0}
         self.check_tensor_types()
         permute = self.architecture == "llama"
         for t in self.reader.tensors:
             name = hf_name(t.name)
             if name is None:
                 continue  # e.g. rope_freqs, already folded into the config
-            data = self._dequantize(t)
+            if name in blocks:
+                data = importers[t.tensor_type.name](np.asarray(t.data))
+            else:
+                data = torch.from_numpy(np.require(self._dequantize(t), requirements=["C", "W"]))
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-                data = unpermute_qk(data, config.num_heads)
+                data = _unpermute(data, config.num_heads)
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-                data = unpermute_qk(data, config.num_kv_heads)
-            yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
+                data = _unpermute(data, config.num_kv_heads)
+            yield name, data
 
     @property
     def num_tensors(self) -> int:

@@ -1,0 +1,83 @@
+"""The default model served from its own Q4_1 blocks (``--quant auto``) against the same weights
+dequantised to fp32: what it generates and what it holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.generate import Generator
+from llmd.daemon.loader import load_model
+from llmd.daemon.model_source import resolve_model
+from llmd.quant.apply import PROJECTIONS, QuantConfig, weight_memory
+from llmd.quant.int4 import Int4Linear
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is."]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dense_fp32():
+    return load_model(resolve_model(None), dtype=torch.float32, quant=QuantConfig("none")).model
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    from llmd.daemon.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(None))
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(dense_fp32, prompts) -> list[list[int]]:
+    gen = Generator(dense_fp32)
+    return [list(gen.stream(p, GREEDY)) for p in prompts]
+
+
+def projections(model) -> list:
+    return [layer.get_submodule(p) for layer in model.model.layers for p in PROJECTIONS]
+
+
+def test_native_q4_1_in_fp32_generates_what_the_dequantised_model_does(dense_fp32, prompts, reference) -> None:
+    """fp32 activations: identical greedy tokens for 32 steps on 3 prompts. Checked teacher-forced
+    (one forward over prompt + the reference's 32 tokens: the argmax at every step must be the
+    reference's next token), which is the same statement as equal greedy runs, at the cost of one
+    forward instead of 32 through the dequantise-per-call reference path."""
+    native = load_model(resolve_model(None), dtype=torch.float32, quant=QuantConfig("auto")).model
+    assert all(isinstance(p, Int4Linear) and p.group_size == 32 for p in projections(native))
+    native_gen, dense_gen = Generator(native), Generator(dense_fp32)
+    for p, ref in zip(prompts, reference):
+        logits = native_gen.logits(p + ref[:-1])[len(p) - 1:]
+        assert logits.argmax(-1).tolist() == ref
+        assert torch.allclose(logits, dense_gen.logits(p + ref[:-1])[len(p) - 1:], atol=1e-4)
+
+
+def test_native_q4_1_in_bf16_follows_the_dequantised_model(prompts, reference) -> None:
+    """The serving path here (bf16 activations, torch's packed int4 kernel, scales rounded to bf16):
+    rounding differs from fp32, so the claim is the issue's fallback: the first 16 greedy tokens
+    are identical on every prompt, and every token the engine picks is in the fp32 model's top 5."""
+    from llmd import LLM
+
+    llm = LLM(dtype="bfloat16", quant="auto", num_blocks=256)
+    outs = llm.generate(prompts, GREEDY)
+    dense = Generator(load_model(resolve_model(None), dtype=torch.float32, quant=QuantConfig("none")).model)
+    for p, ref, out in zip(prompts, reference, outs):
+        got = list(out.token_ids)
+        assert got[:16] == ref[:16]
+        top5 = dense.logits(p + got[:-1])[len(p) - 1:].topk(5, dim=-1).indices
+        assert all(t in top5[i] for i, t in enumerate(got))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_q4_1_projections_hold_under_a_fifth_of_fp32(dtype) -> None:
+    """Must hold in both layouts: ours (fp32 activations) and torch's CPU kernel's (bf16)."""
+    native = load_model(resolve_model(None), dtype=dtype, quant=QuantConfig("auto")).model
+    fp32 = sum(4 * p.in_features * p.out_features for p in projections(native))
+    held = weight_memory(native)
+    assert set(held) == {"int4 g32", f"dense {str(dtype).removeprefix('torch.')}"}
+    assert held["int4 g32"] <= 0.2 * fp32
