@@ -2,40 +2,29 @@
 
     .venv/bin/python benchmarks/quant_quality.py [--tokens 4096] [--window 512]
 
-The text is the docstrings of a fixed list of standard-library modules, present on every machine.
-Rows:
-  fp32 (Q4_1 dequantised)   the GGUF weights dequantised to fp32: the reference
-  native Q4_1 blocks        the same blocks imported into llmd's INT4 format (llmd.quant) and
-                            dequantised again: must be identical (the import is lossless)
-  INT8 per-channel          requantised from the reference weights
-  INT4 g32 / g64 (asym)     requantised from the reference weights (g128 does not divide 576)
-Every scheme is evaluated through dequantised fp32 weights, so this measures the formats, not a
-kernel's arithmetic. Embeddings (and the tied LM head) stay as the GGUF stores them (Q8_0).
+The text is the docstrings of a fixed list of standard-library modules, present on every machine
+(disjoint from the modules llmd.quant.calibrate calibrates INT4 requantisation on). Every row is a
+model as llmd loads it (fp32 activations, so the rows compare formats, not kernel rounding):
+  fp32 (Q4_1 dequantised)   --quant none: the GGUF's blocks dequantised; the reference
+  native Q4_1 blocks        --quant auto: the blocks held as INT4 g32, copied bit for bit
+  INT8 per channel          --quant int8: requantised from the dequantised weights
+  INT4 g32 requantised      the dequantised weights requantised (fitted, calibrated) at g32
+  INT4 g64 / g128           --quant int4 --group-size 64 / 128 (g64 where 128 does not divide 576)
+  ... min/max               the same groups by plain min/max, without fitting or calibration
+Embeddings (and the tied LM head) are held in fp32 in every row.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib
-import inspect
 import math
+import time
 
 import torch
 
 MODULES = ["json", "inspect", "argparse", "collections", "pathlib", "functools", "itertools", "logging",
            "subprocess", "typing", "dataclasses", "re", "os", "string", "textwrap", "unittest"]
-
-
-def corpus() -> str:
-    parts = []
-    for name in MODULES:
-        module = importlib.import_module(name)
-        parts.append(inspect.getdoc(module) or "")
-        for _, obj in sorted(vars(module).items()):
-            if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == name:
-                parts.append(inspect.getdoc(obj) or "")
-    return "\n\n".join(p for p in parts if p)
 
 
 @torch.inference_mode()
@@ -55,61 +44,26 @@ def perplexity(model, ids: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
-def requantised(model, fn):
-    """A copy of ``model`` whose projection weights went through ``fn`` (weight -> weight)."""
-    from llmd.daemon.models.layers import Linear
+def requantised(dense, group_size: int, source, calibrated: bool = True):
+    """``dense`` with every projection requantised to INT4 ``group_size`` as the loader does for a
+    float checkpoint (fitted, calibrated), or by plain min/max."""
+    from llmd.daemon.loader import _importance
+    from llmd.quant.apply import PROJECTIONS, QuantConfig, plan_linears, quantize_linears
+    from llmd.quant.int4 import Int4Linear, quantize_int4
 
-    out = copy.deepcopy(model)
-    for module in out.modules():
-        if isinstance(module, Linear):
-            module.weight.data.copy_(fn(module.weight.data))
-    return out
-
-
-def native_q4_1(model, path):
-    """The model with every Q4_1 projection imported through llmd.quant and dequantised."""
-    import gguf
-    import numpy as np
-
-    from llmd.daemon.weights.gguf_file import GGUFModelFile, hf_name, unpermute_qk
-    from llmd.quant.gguf_import import import_q4_1
-    from llmd.quant.int4 import dequantize_int4
-
-    f = GGUFModelFile(path)
-    cfg = model.config
-    weights = {}
-    for t in f.reader.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-            continue
-        w = dequantize_int4(import_q4_1(np.asarray(t.data))).numpy()
-        name = hf_name(t.name)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_qk(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_qk(w, cfg.num_kv_heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(w))
-    out = copy.deepcopy(model)
-    out.load_weights(list(weights.items()) + [(n, p) for n, p in _unquantised(model, weights)])
-    return out
-
-
-def _unquantised(model, replaced: dict):
-    """Checkpoint-named tensors of ``model`` that ``replaced`` does not cover (norms, embeddings)."""
-    cfg = model.config
-    for name, param in model.named_parameters():
-        if ".qkv_proj." in name:
-            base = name.replace("qkv_proj", "{}")
-            parts = param.data.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-                if base.format(proj) not in replaced:
-                    yield base.format(proj), part
-        elif ".gate_up_proj." in name:
-            base = name.replace("gate_up_proj", "{}")
-            for proj, part in zip(("gate_proj", "up_proj"), param.data.split(cfg.intermediate_size)):
-                if base.format(proj) not in replaced:
-                    yield base.format(proj), part
-        elif name not in replaced:
-            yield name, param.data
+    model = copy.deepcopy(dense)
+    quant = QuantConfig("int4", group_size)
+    plan = plan_linears(model.config, quant, "cpu")
+    if calibrated:
+        quantize_linears(model, quant, plan, _importance(model, source, list(plan)))
+        return model
+    for i, layer in enumerate(model.model.layers):
+        for proj in PROJECTIONS:
+            parent, name = proj.split(".")
+            d = layer.get_submodule(proj)
+            g = plan[f"model.layers.{i}.{proj}"].group_size
+            setattr(getattr(layer, parent), name, Int4Linear.from_weight(quantize_int4(d.weight.data, g)))
+    return model
 
 
 def main() -> None:
@@ -121,26 +75,36 @@ def main() -> None:
     from llmd.daemon.loader import load_model
     from llmd.daemon.model_source import resolve_model
     from llmd.daemon.tokenizer import load_tokenizer
-    from llmd.quant.int4 import dequantize_int4, quantize_int4
-    from llmd.quant.int8 import dequantize_int8, quantize_int8
+    from llmd.quant.apply import QuantConfig
+    from llmd.quant.calibrate import stdlib_docstrings
 
     source = resolve_model(None)
-    model = load_model(source, dtype=torch.float32).model
-    ids = load_tokenizer(source).encode(corpus())[: args.tokens + 1]
+
+    def load(scheme: str, group_size: int | None = None):
+        return load_model(source, dtype=torch.float32, quant=QuantConfig(scheme, group_size)).model
+
+    dense = load("none")
+    ids = load_tokenizer(source).encode(stdlib_docstrings(MODULES))[: args.tokens + 1]
     rows = [
-        ("fp32 (Q4_1 dequantised)", model),
-        ("native Q4_1 blocks", native_q4_1(model, source.path)),
-        ("INT8 per-channel", requantised(model, lambda w: dequantize_int8(quantize_int8(w)))),
-        ("INT4 g32", requantised(model, lambda w: dequantize_int4(quantize_int4(w, 32)))),
-        # NOTE: g128 does not divide this model's hidden size (576 = 4.5 x 128); g64 is the coarsest that does.
-        ("INT4 g64", requantised(model, lambda w: dequantize_int4(quantize_int4(w, 64)))),
+        ("fp32 (Q4_1 dequantised)", lambda: dense),
+        ("native Q4_1 blocks", lambda: load("auto")),
+        ("INT8 per channel", lambda: load("int8")),
+        ("INT4 g32 requantised", lambda: requantised(dense, 32, source)),
+        ("INT4 g64", lambda: load("int4", 64)),
+        ("INT4 g128", lambda: load("int4", 128)),
+        ("INT4 g64 min/max", lambda: requantised(dense, 64, source, calibrated=False)),
+        ("INT4 g128 min/max", lambda: requantised(dense, 128, source, calibrated=False)),
     ]
     print(f"{len(ids) - 1} tokens of stdlib docstrings, windows of {args.window}")
     base = None
-    for name, m in rows:
-        ppl = perplexity(m, ids, args.window)
+    for name, build in rows:
+        start = time.perf_counter()
+        model = build()
+        built = time.perf_counter() - start
+        ppl = perplexity(model, ids, args.window)
         base = base or ppl
-        print(f"{name:<26} perplexity {ppl:8.3f}   {100 * (ppl / base - 1):+6.2f}% vs fp32")
+        print(f"{name:<26} perplexity {ppl:8.3f}   {100 * (ppl / base - 1):+6.2f}% vs fp32   (built in {built:.0f}s)",
+              flush=True)
 
 
 if __name__ == "__main__":

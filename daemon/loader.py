@@ -18,8 +18,8 @@ from llmd.daemon.progress import progress
 from llmd.daemon.weights.gguf_file import GGUFModelFile
 from llmd.daemon.weights.safetensors_files import find_safetensors_files, iter_safetensors, validate_safetensors
 from llmd.errors import CorruptModelError, InvalidModelError
-from llmd.quant.apply import (BNB_SCHEMES, QuantConfig, describe, gguf_blocks_wanted, linear_factory, plan_linears,
-                              prepare, quantize_linears, weight_memory)
+from llmd.quant.apply import (BNB_SCHEMES, QuantConfig, calibrated_paths, describe, gguf_blocks_wanted,
+                              linear_factory, plan_linears, prepare, quantize_linears, weight_memory)
 
 log = logging.getLogger("llmd")
 
@@ -53,6 +53,24 @@ def load_config(source: ModelSource) -> ModelConfig:
     return config_from_hf(_read_json(config_path), generation)
 
 
+def _importance(model: LlamaForCausalLM, source: ModelSource, paths: list[str]) -> dict[str, torch.Tensor]:
+    """Calibration for INT4 requantisation (llmd.quant.calibrate); none if there is no tokenizer."""
+    from llmd.daemon.tokenizer import load_tokenizer
+    from llmd.errors import LlmdError
+    from llmd.quant.calibrate import calibration_ids, projection_importance
+
+    start = time.perf_counter()
+    try:
+        ids = calibration_ids(load_tokenizer(source))
+    except LlmdError as e:
+        log.info("requantising to int4 without calibration (%s)", e)
+        return {}
+    importance = projection_importance(model, ids, paths)
+    log.info("int4 calibration: %d tokens of stdlib docstrings through %d projections in %.1fs", len(ids),
+             len(paths), time.perf_counter() - start)
+    return importance
+
+
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
                quant: QuantConfig | None = None) -> LoadedModel:
     """Build our model for ``source``, load its weights, held as ``quant`` says (dense if None).
@@ -75,19 +93,25 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         plan = plan_linears(config, quant, device, gguf_types)
     except ValueError as e:
         raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
+    blocks = gguf_blocks_wanted(plan, gguf_types) if gguf_types is not None else set()
+    # INT4 projections that are requantised are loaded dense, then fitted with calibration.
+    calibrated = calibrated_paths(plan, blocks)
     if gguf_types is not None:
-        weights, total = gguf.iter_tensors(config, gguf_blocks_wanted(plan, gguf_types)), gguf.num_tensors
+        weights, total = gguf.iter_tensors(config, blocks), gguf.num_tensors
     else:
         total = sum(len(validate_safetensors(f)) for f in files)
         weights = iter_safetensors(files)
+    streamed = {path: spec for path, spec in plan.items() if path not in calibrated}
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype=dtype, make_linear=linear_factory(plan))
+        model = LlamaForCausalLM(config, dtype=dtype, make_linear=linear_factory(streamed))
     model.load_weights(progress(weights, total, f"loading {source.name}"))
-    if quant.scheme in BNB_SCHEMES:
-        try:
+    try:
+        if calibrated:
+            quantize_linears(model, quant, plan, _importance(model, source, calibrated))
+        elif quant.scheme in BNB_SCHEMES:
             quantize_linears(model, quant)
-        except ValueError as e:
-            raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
+    except ValueError as e:
+        raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
     prepare(model)
     model.eval()
     log.info("loaded %s (%s, %d layers) in %.1fs; weights: %s", source.name, config.model_type, config.num_layers,

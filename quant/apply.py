@@ -24,7 +24,6 @@ from torch import nn
 from llmd.daemon.config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, dense_linear
 from llmd.quant import QUANT_SCHEMES
-from llmd.quant.common import check_group_size
 from llmd.quant.int4 import Int4Linear
 from llmd.quant.int8 import Int8Linear
 
@@ -75,13 +74,16 @@ class LinearSpec:
         return f"{self.scheme} {f'g{self.group_size}' if self.group_size else 'per channel'}"
 
 
-def _auto_int4_group(in_features: int, device: str, requested: int | None) -> int:
-    # Small models lose a lot at coarse groups (see benchmarks/quant_quality.py), so the CPU default
-    # is 32; on a GPU 128 halves the scale traffic. A size that does not divide K falls back.
-    for g in ([requested] if requested else []) + ([128, 64, 32] if device == "cuda" else [32]):
-        if in_features % g == 0:
+def _group_size(in_features: int, wanted: int, fallen_back: dict[tuple[int, int], int]) -> int:
+    """``wanted``, or the largest smaller group size (64, 32) that divides ``in_features`` (e.g.
+    128 does not divide SmolLM2's 576): records the fallback for one log line."""
+    for g in (128, 64, 32):
+        if g <= wanted and in_features % g == 0:
+            if g != wanted:
+                fallen_back[(wanted, in_features)] = g
             return g
-    raise ValueError(f"no int4 group size divides the input dimension {in_features}")
+    raise ValueError(f"group size {wanted} must divide the input dimension {in_features} (no group size of "
+                     f"32, 64 or 128 does)")
 
 
 def plan_linears(config: ModelConfig, quant: QuantConfig, device: str,
@@ -107,13 +109,14 @@ def plan_linears(config: ModelConfig, quant: QuantConfig, device: str,
              "mlp.gate_up_proj": config.hidden_size, "mlp.down_proj": config.intermediate_size}
     plan: dict[str, LinearSpec] = {}
     requantised: dict[str, str] = {}
+    fallen_back: dict[tuple[int, int], int] = {}
     for i in range(config.num_layers):
         for proj, parts in PROJECTIONS.items():
             path, k = f"model.layers.{i}.{proj}", sizes[proj]
-            if quant.scheme in ("int8", "int4"):
-                group_size = quant.group_size or (32 if quant.scheme == "int4" else None)
-                check_group_size(k, group_size or k)
-                plan[path] = LinearSpec(quant.scheme, group_size)
+            if quant.scheme == "int8":
+                plan[path] = LinearSpec("int8", quant.group_size and _group_size(k, quant.group_size, fallen_back))
+            elif quant.scheme == "int4":
+                plan[path] = LinearSpec("int4", _group_size(k, quant.group_size or 32, fallen_back))
             else:  # auto
                 types = {gguf_types[f"model.layers.{i}.{p}.weight"] for p in parts} if gguf_types else set()
                 natives = {NATIVE_GGUF.get(t) for t in types}
@@ -123,9 +126,19 @@ def plan_linears(config: ModelConfig, quant: QuantConfig, device: str,
                 elif types and types & set(_WIDE_GGUF):
                     plan[path] = LinearSpec("int8", None)
                 else:
-                    plan[path] = LinearSpec("int4", _auto_int4_group(k, device, quant.group_size))
+                    # Small models lose a lot at coarse groups (benchmarks/quant_quality.py), so the CPU
+                    # default is 32; on a GPU 128 halves the scale traffic.
+                    wanted = quant.group_size or (128 if device == "cuda" else 32)
+                    try:
+                        plan[path] = LinearSpec("int4", _group_size(k, wanted, fallen_back))
+                    except ValueError:  # no group divides K: per-channel INT8 always fits
+                        plan[path] = LinearSpec("int8", None)
+                        fallen_back[(wanted, k)] = 0
                 for t in types - set(NATIVE_GGUF) - set(_FLOAT_GGUF) if types else ():
                     requantised[t] = plan[path].describe()
+    for (wanted, k), g in fallen_back.items():
+        log.info("group size %d does not divide the input size %d of some projections: they use %s", wanted, k,
+                 f"group size {g}" if g else "int8 per channel")
     for t, target in requantised.items():
         log.info("GGUF %s tensors are dequantised and requantised to %s (llmd holds only int4/int8)", t, target)
     return plan
@@ -158,28 +171,51 @@ def gguf_blocks_wanted(plan: Mapping[str, LinearSpec], gguf_types: Mapping[str, 
     return wanted
 
 
-def quantize_linears(model: nn.Module, quant: QuantConfig) -> None:
-    """Replace a loaded dense model's projections with quantised ones, in place."""
+def calibrated_paths(plan: Mapping[str, LinearSpec], blocks: set[str]) -> list[str]:
+    """INT4 projections that are requantised rather than copied from GGUF blocks: these are fitted
+    with calibration (:func:`quantize_linears`), so the loader builds them dense first."""
+    out = []
+    for path, spec in plan.items():
+        layer, _, proj = path.partition(".layers.")[2].partition(".")
+        parts = {f"model.layers.{layer}.{part}.weight" for part in PROJECTIONS[proj]}
+        if spec.scheme == "int4" and not parts <= blocks:
+            out.append(path)
+    return out
+
+
+def quantize_linears(model: nn.Module, quant: QuantConfig, plan: Mapping[str, LinearSpec] | None = None,
+                     importance: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Replace a loaded model's dense projections with quantised ones, in place.
+
+    INT4 groups are fitted (:func:`llmd.quant.int4_fit.quantize_int4_fitted`), weighted by
+    ``importance[path]`` (mean squared input per feature, :mod:`llmd.quant.calibrate`) where given.
+    """
     from llmd.quant.bnb import bnb_linear
+    from llmd.quant.int4_fit import quantize_int4_fitted
 
     device = next(model.parameters()).device.type
-    plan = plan_linears(model.config, quant, device)
+    plan = plan_linears(model.config, quant, device) if plan is None else plan
     make = linear_factory(plan)
     for i, layer in enumerate(model.model.layers):
         for proj in PROJECTIONS:
+            path = f"model.layers.{i}.{proj}"
             parent_name, name = proj.split(".")
             parent = getattr(layer, parent_name)
             dense: Linear = getattr(parent, name)
-            if not isinstance(dense, Linear):
+            if not isinstance(dense, Linear) or (quant.scheme not in BNB_SCHEMES and path not in plan):
                 continue
             bias = None if dense.bias is None else dense.bias.data
+            weight = dense.weight.data.float()
             if quant.scheme in BNB_SCHEMES:
-                module = bnb_linear(dense.weight.data.float(), bias, quant.scheme, compute_dtype=model.dtype,
-                                    device=device)
+                module = bnb_linear(weight, bias, quant.scheme, compute_dtype=model.dtype, device=device)
             else:
-                module = make(f"model.layers.{i}.{proj}", dense.in_features, dense.out_features, bias is not None,
-                              model.dtype)
-                module.load_rows(0, dense.weight.data.float())
+                module = make(path, dense.in_features, dense.out_features, bias is not None, model.dtype)
+                spec = plan[path]
+                if spec.scheme == "int4":
+                    module.load_rows(0, quantize_int4_fitted(weight, spec.group_size, spec.symmetric,
+                                                             (importance or {}).get(path)))
+                else:
+                    module.load_rows(0, weight)
                 if bias is not None:
                     module.bias.data.copy_(bias)
             setattr(parent, name, module)

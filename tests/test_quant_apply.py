@@ -18,7 +18,6 @@ from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.daemon.weights.gguf_file import hf_name, unpermute_qk
-from llmd.errors import InvalidModelError
 from llmd.quant.apply import PROJECTIONS, QuantConfig, weight_memory
 from llmd.quant.gguf_import import import_q4_0, import_q8_0
 from llmd.quant.int4 import Int4Linear, dequantize_int4
@@ -125,18 +124,32 @@ def test_none_keeps_dense_weights(model_dir) -> None:
     assert set(weight_memory(model)) == {"dense float32"}
 
 
+def test_group_sizes_fall_back_where_they_do_not_divide(model_dir, tmp_path: Path, caplog, capsys) -> None:
+    # The tiny model's hidden size is 64: groups of 128 fall back to 64 there, and stay 128 for
+    # down_proj (input 128).
+    with caplog.at_level(logging.INFO, logger="llmd"):
+        model = load_model(resolve_model(model_dir), quant=QuantConfig("int4", 128)).model
+    assert "group size 128 does not divide the input size 64 of some projections: they use group size 64" in caplog.text
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.group_size == 64 and layer.mlp.down_proj.group_size == 128
+    # Hidden size 48: no int4 group divides it. auto holds those projections as int8 per channel;
+    # an explicit int4 is a one-line error.
+    odd = save_hf_model(make_hf_model("smollm2"), tmp_path / "odd", with_tokenizer=True)
+    auto = load_model(resolve_model(odd), quant=QuantConfig("auto")).model
+    assert isinstance(auto.model.layers[0].self_attn.qkv_proj, Int8Linear)
+    assert isinstance(auto.model.layers[0].mlp.down_proj, Int4Linear)  # its input is 128
+    assert main(["generate", "hi", "--model", str(odd), "--quant", "int4", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "llmd: error: cannot quantise" in err and "group size 32 must divide the input dimension 48" in err
+    assert "Traceback" not in err
+
+
 def test_bad_quant_options_are_one_line_errors(model_dir, capsys) -> None:
     assert main(["generate", "hi", "--model", str(model_dir), "--quant", "int4", "--max-tokens", "4",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip() != ""
-    # The tiny model's hidden size is 64: groups of 128 cannot divide it.
-    assert main(["generate", "hi", "--model", str(model_dir), "--quant", "int4", "--group-size", "128"]) == 1
-    err = capsys.readouterr().err
-    assert "llmd: error: cannot quantise" in err and "group size 128 must divide" in err and "Traceback" not in err
     assert main(["generate", "hi", "--model", str(model_dir), "--quant", "none", "--group-size", "32"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("llmd: error:") and "--group-size does not apply" in err
     with pytest.raises(ValueError, match="quantisation must be one of"):
         QuantConfig("int3")
-    with pytest.raises(InvalidModelError, match="group size 128 must divide"):
-        load_model(resolve_model(model_dir), quant=QuantConfig("int8", 128))

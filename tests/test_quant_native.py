@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmd.daemon.device import cpu_has_fast_bf16
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
@@ -22,6 +23,18 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 @pytest.fixture(scope="module")
 def dense_fp32():
     return load_model(resolve_model(None), dtype=torch.float32, quant=QuantConfig("none")).model
+
+
+@pytest.fixture(scope="module")
+def native_fp32():
+    return load_model(resolve_model(None), dtype=torch.float32, quant=QuantConfig("auto")).model
+
+
+@pytest.fixture(scope="module")
+def llm_bf16():
+    from llmd import LLM
+
+    return LLM(dtype="bfloat16", quant="auto", num_blocks=256)
 
 
 @pytest.fixture(scope="module")
@@ -43,29 +56,27 @@ def projections(model) -> list:
     return [layer.get_submodule(p) for layer in model.model.layers for p in PROJECTIONS]
 
 
-def test_native_q4_1_in_fp32_generates_what_the_dequantised_model_does(dense_fp32, prompts, reference) -> None:
+def test_native_q4_1_in_fp32_generates_what_the_dequantised_model_does(native_fp32, dense_fp32, prompts,
+                                                                      reference) -> None:
     """fp32 activations: identical greedy tokens for 32 steps on 3 prompts. Checked teacher-forced
     (one forward over prompt + the reference's 32 tokens: the argmax at every step must be the
     reference's next token), which is the same statement as equal greedy runs, at the cost of one
     forward instead of 32 through the dequantise-per-call reference path."""
-    native = load_model(resolve_model(None), dtype=torch.float32, quant=QuantConfig("auto")).model
-    assert all(isinstance(p, Int4Linear) and p.group_size == 32 for p in projections(native))
-    native_gen, dense_gen = Generator(native), Generator(dense_fp32)
+    assert all(isinstance(p, Int4Linear) and p.group_size == 32 for p in projections(native_fp32))
+    native_gen, dense_gen = Generator(native_fp32), Generator(dense_fp32)
     for p, ref in zip(prompts, reference):
         logits = native_gen.logits(p + ref[:-1])[len(p) - 1:]
         assert logits.argmax(-1).tolist() == ref
         assert torch.allclose(logits, dense_gen.logits(p + ref[:-1])[len(p) - 1:], atol=1e-4)
 
 
-def test_native_q4_1_in_bf16_follows_the_dequantised_model(prompts, reference) -> None:
+def test_native_q4_1_in_bf16_follows_the_dequantised_model(llm_bf16, dense_fp32, prompts, reference) -> None:
     """The serving path here (bf16 activations, torch's packed int4 kernel, scales rounded to bf16):
     rounding differs from fp32, so the claim is the issue's fallback: the first 16 greedy tokens
     are identical on every prompt, and every token the engine picks is in the fp32 model's top 5."""
-    from llmd import LLM
-
-    llm = LLM(dtype="bfloat16", quant="auto", num_blocks=256)
-    outs = llm.generate(prompts, GREEDY)
-    dense = Generator(load_model(resolve_model(None), dtype=torch.float32, quant=QuantConfig("none")).model)
+    assert all(p.cpu_packed is not None for p in projections(llm_bf16.engine.model)) == cpu_has_fast_bf16()
+    outs = llm_bf16.generate(prompts, GREEDY)
+    dense = Generator(dense_fp32)
     for p, ref, out in zip(prompts, reference, outs):
         got = list(out.token_ids)
         assert got[:16] == ref[:16]
@@ -74,9 +85,9 @@ def test_native_q4_1_in_bf16_follows_the_dequantised_model(prompts, reference) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_q4_1_projections_hold_under_a_fifth_of_fp32(dtype) -> None:
+def test_native_q4_1_projections_hold_under_a_fifth_of_fp32(dtype, native_fp32, llm_bf16) -> None:
     """Must hold in both layouts: ours (fp32 activations) and torch's CPU kernel's (bf16)."""
-    native = load_model(resolve_model(None), dtype=dtype, quant=QuantConfig("auto")).model
+    native = native_fp32 if dtype == torch.float32 else llm_bf16.engine.model
     fp32 = sum(4 * p.in_features * p.out_features for p in projections(native))
     held = weight_memory(native)
     assert set(held) == {"int4 g32", f"dense {str(dtype).removeprefix('torch.')}"}
