@@ -33,8 +33,8 @@ w'_j)^2`` is the diagonal part of the expected output error ``E[(x . (w - w'))^2
 **Use the importance.** Without it the fit lowers the weight error (-32% at g64) but hardly the
 model's: the clipping it chooses lands on weights that large activations multiply. Perplexity of
 SmolLM2-135M (Q4_1 weights requantised; benchmarks/quant_quality.py text, 4096 tokens; fp32
-12.514): g64 min/max +26.9%, fitted +25.2%, fitted with importance +5.1%; g128 (g64 where 128
-does not divide K) +35.1% / +29.6% / +5.9%; g32 reproduces Q4_1 exactly in all three.
+12.514): g64 min/max +26.9%, fitted +25.5%, fitted with importance +5.2%; g128 (g64 where 128
+does not divide K) +35.1% / +30.0% / +6.0%; g32 reproduces Q4_1 exactly in all three.
 """
 
 from __future__ import annotations
@@ -216,8 +216,9 @@ def input_importance(modules, run) -> dict:
     ``modules`` (Linears) while ``run()`` executes a forward pass over calibration text.
 
     These are the ``importance`` for :func:`quantize_int4_fitted`. A few hundred tokens suffice
-    and the text need not match the use: on SmolLM2-135M, 512 tokens of stdlib docstrings and
-    512 tokens of the GPL text gave the same quality within noise."""
+    and the text need not match the use: on SmolLM2-135M (perplexity on stdlib docstrings), 512
+    tokens of other stdlib docstrings gave g64 +5.2%, g128 +6.0%; 512 tokens of the GPL-3 text
+    +5.7%, +7.4%; 2048 tokens did no better than 512."""
     sums: dict = {}
 
     def hook(module, args) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,17 @@ import pytest  # noqa: E402
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep llmd's caches (e.g. converted tokenizers) out of the user's home, shared per session."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(_session_cache(tmp_path_factory)))
+
+
+@pytest.fixture(autouse=True)
+def _reset_llmd_logging():
+    """`llmd.cli.main` puts a handler on the "llmd" logger that writes to the sys.stderr of its call;
+    under capsys that stream is closed after the test, so a later test's log line would hit it."""
+    yield
+    logger = logging.getLogger("llmd")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.propagate = True
 
 
 _CACHE: list[Path] = []
