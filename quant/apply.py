@@ -24,12 +24,12 @@ from torch import nn
 from llmd.daemon.config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, dense_linear
 from llmd.quant import QUANT_SCHEMES
+from llmd.quant.bnb import BNB_SCHEMES
 from llmd.quant.int4 import Int4Linear
 from llmd.quant.int8 import Int8Linear
 
 log = logging.getLogger("llmd")
 
-BNB_SCHEMES = ("nf4", "bnb-int8")
 # GGUF block types held as they are, and the format that holds them.
 NATIVE_GGUF = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
 _FLOAT_GGUF = ("F32", "F16", "BF16")
