@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", nargs="+", default=["auto"],
                         help="one or more of auto, float32, bfloat16, run one after the other (default: auto)")
-    parser.add_argument("--quant", nargs="+", default=["none"], help="none, int8 and/or int4 (default: none)")
+    parser.add_argument("--quant", nargs="+", default=["auto"], help="--quant schemes to compare (default: auto)")
     parser.add_argument("--hf", action="store_true", help="also run transformers generate, one request at a time")
     parser.add_argument("--hf-streams", type=int, default=4, help="requests for the transformers run")
     args = parser.parse_args()
