@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -31,3 +34,25 @@ def grouped(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     n, k = weight.shape
     check_group_size(k, group_size)
     return weight.reshape(n, k // group_size, group_size)
+
+
+class QuantizedLinear(nn.Module):
+    """What the INT4 and INT8 Linears share: built empty from their shape
+    ``(in_features, out_features, group_size, bias, dtype)``, filled by ``load_rows``."""
+
+    in_features: int
+    out_features: int
+
+    def load_rows(self, start: int, weight: Any) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def from_weight(cls, qweight: Any, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """A layer holding ``qweight`` (an ``Int4Weight`` / ``Int8Weight``) as it is."""
+        n, k = qweight.shape
+        dtype = torch.float32 if bias is None else bias.dtype
+        layer = cls(k, n, qweight.group_size, bias is not None, dtype)
+        layer.load_rows(0, qweight)
+        if bias is not None:
+            layer.bias.data.copy_(bias)
+        return layer

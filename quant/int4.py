@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.quant.common import grouped, pack_int4, unpack_int4
+from llmd.quant.common import QuantizedLinear, grouped, pack_int4, unpack_int4
 
 GROUP_SIZES = (32, 64, 128)
 # fp16's smallest normal number: a smaller scale would lose precision to subnormals.
@@ -65,7 +65,7 @@ def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
     return (q * qw.scales.float()[..., None] + qw.mins.float()[..., None]).reshape(qw.shape)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """``y = x W^T + b`` with an INT4 ``W``, filled row block by row block (:meth:`load_rows`).
 
     The path follows the device: Triton on CUDA; on a CPU with fast bf16, torch's packed int4
@@ -90,16 +90,6 @@ class Int4Linear(nn.Module):
         # torch's CPU int4 layout, set by prepare() when that kernel is used.
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
-
-    @classmethod
-    def from_weight(cls, qweight: Int4Weight, bias: torch.Tensor | None = None) -> Int4Linear:
-        n, k = qweight.shape
-        dtype = torch.float32 if bias is None else bias.dtype
-        layer = cls(k, n, qweight.group_size, bias is not None, dtype)
-        layer.load_rows(0, qweight)
-        if bias is not None:
-            layer.bias.data.copy_(bias)
-        return layer
 
     def load_rows(self, start: int, weight: torch.Tensor | Int4Weight) -> None:
         """Fill output rows ``start:start + len(weight)``: an :class:`Int4Weight` with our group size

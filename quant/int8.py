@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.quant.common import check_group_size, grouped
+from llmd.quant.common import QuantizedLinear, check_group_size, grouped
 
 _MIN_SCALE = 2.0 ** -14  # fp16's smallest normal number
 
@@ -49,7 +49,7 @@ def dequantize_int8(qw: Int8Weight) -> torch.Tensor:
     return (q * qw.scales.float()[..., None]).reshape(qw.shape)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantizedLinear):
     """``y = x W^T + b`` with an INT8 ``W``, filled row block by row block (:meth:`load_rows`).
 
     ``group_size=None`` means one scale per output channel. The path follows the device: Triton on
@@ -66,16 +66,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.zeros(out_features, in_features // group_size, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
-
-    @classmethod
-    def from_weight(cls, qweight: Int8Weight, bias: torch.Tensor | None = None) -> Int8Linear:
-        n, k = qweight.shape
-        dtype = torch.float32 if bias is None else bias.dtype
-        layer = cls(k, n, qweight.group_size, bias is not None, dtype)
-        layer.load_rows(0, qweight)
-        if bias is not None:
-            layer.bias.data.copy_(bias)
-        return layer
 
     def load_rows(self, start: int, weight: torch.Tensor | Int8Weight) -> None:
         """Fill output rows ``start:start + len(weight)``: an :class:`Int8Weight` with our group size
