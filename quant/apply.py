@@ -24,7 +24,7 @@ from torch import nn
 from llmd.daemon.config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, dense_linear
 from llmd.quant import QUANT_SCHEMES
-from llmd.quant.bnb import BNB_SCHEMES
+from llmd.quant.bnb import BNB_SCHEMES, bnb_linear, bnb_unsupported_reason
 from llmd.quant.int4 import Int4Linear
 from llmd.quant.int8 import Int8Linear
 
@@ -94,12 +94,10 @@ def plan_linears(config: ModelConfig, quant: QuantConfig, device: str,
     Projections not in the plan stay dense; bitsandbytes schemes plan nothing here.
 
     Raises:
-        ValueError: an explicit group size does not divide a projection's input size, or
+        ValueError: no group size of 32 or more divides an int4/int8 projection's input size, or
             bitsandbytes cannot run the scheme on ``device``.
     """
     if quant.scheme in BNB_SCHEMES:
-        from llmd.quant.bnb import bnb_unsupported_reason
-
         if reason := bnb_unsupported_reason(quant.scheme, device):
             raise ValueError(reason)
         return {}
@@ -161,26 +159,21 @@ def linear_factory(plan: Mapping[str, LinearSpec]) -> LinearFactory:
 def gguf_blocks_wanted(plan: Mapping[str, LinearSpec], gguf_types: Mapping[str, str]) -> set[str]:
     """Checkpoint tensors whose GGUF blocks a planned module copies as they are (same format and
     group size), so the loader hands them over undequantised."""
-    wanted = set()
-    for path, spec in plan.items():
-        layer, _, proj = path.partition(".layers.")[2].partition(".")
-        for part in PROJECTIONS[proj]:
-            name = f"model.layers.{layer}.{part}.weight"
-            if NATIVE_GGUF.get(gguf_types.get(name, "")) == spec.scheme and spec.group_size == 32:
-                wanted.add(name)
-    return wanted
+    return {name for path, spec in plan.items() for name in _part_names(path)
+            if NATIVE_GGUF.get(gguf_types.get(name, "")) == spec.scheme and spec.group_size == 32}
 
 
 def calibrated_paths(plan: Mapping[str, LinearSpec], blocks: set[str]) -> list[str]:
     """INT4 projections that are requantised rather than copied from GGUF blocks: these are fitted
     with calibration (:func:`quantize_linears`), so the loader builds them dense first."""
-    out = []
-    for path, spec in plan.items():
-        layer, _, proj = path.partition(".layers.")[2].partition(".")
-        parts = {f"model.layers.{layer}.{part}.weight" for part in PROJECTIONS[proj]}
-        if spec.scheme == "int4" and not parts <= blocks:
-            out.append(path)
-    return out
+    return [path for path, spec in plan.items() if spec.scheme == "int4" and not set(_part_names(path)) <= blocks]
+
+
+def _part_names(path: str) -> list[str]:
+    """Checkpoint weight names a projection is made of: ``model.layers.3.mlp.gate_up_proj`` ->
+    ``model.layers.3.mlp.gate_proj.weight``, ``model.layers.3.mlp.up_proj.weight``."""
+    layer, _, proj = path.partition(".layers.")[2].partition(".")
+    return [f"model.layers.{layer}.{part}.weight" for part in PROJECTIONS[proj]]
 
 
 def quantize_linears(model: nn.Module, quant: QuantConfig, plan: Mapping[str, LinearSpec] | None = None,
@@ -190,7 +183,6 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, plan: Mapping[str, Li
     INT4 groups are fitted (:func:`llmd.quant.int4_fit.quantize_int4_fitted`), weighted by
     ``importance[path]`` (mean squared input per feature, :mod:`llmd.quant.calibrate`) where given.
     """
-    from llmd.quant.bnb import bnb_linear
     from llmd.quant.int4_fit import quantize_int4_fitted
 
     device = next(model.parameters()).device.type
