@@ -1,4 +1,5 @@
-"""Shared fixtures. Tests never touch the network: HF_HUB_OFFLINE is set before transformers loads."""
+"""Shared fixtures. Tests never touch the network: HF_HUB_OFFLINE is set before transformers loads.
+Triton kernels run in the interpreter (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# No GPU here: every Triton kernel runs in the interpreter on CPU tensors. Triton reads this when
+# @triton.jit decorates, i.e. when a kernel module is imported, so it is set before any test module
+# (or the code under test) imports one; compile-for-a-GPU tests unset it in their subprocess.
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 

@@ -4,28 +4,16 @@ fp16 and fp32 scales, symmetric and asymmetric INT4, INT8 per channel and per gr
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
-# Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when the kernel module is imported:
-# set it before that import. pytest imports every test module before running any test, so it is
-# set before any test runs; it stays set, which nothing else in the suite minds.
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import importlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+from gpu_compile import compile_for_gpu
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-import llmd.kernels.quant_matmul_triton as qmt  # noqa: E402
-from llmd.quant.int4 import Int4Weight, dequantize_int4, quantize_int4  # noqa: E402
-from llmd.quant.int8 import Int8Weight, dequantize_int8, quantize_int8  # noqa: E402
-
-if not isinstance(qmt._int4_gemv_kernel, InterpretedFunction):  # imported earlier, for a GPU
-    qmt = importlib.reload(qmt)
+import llmd.kernels.quant_matmul_triton as qmt
+from llmd.quant.int4 import Int4Weight, dequantize_int4, quantize_int4
+from llmd.quant.int8 import Int8Weight, dequantize_int8, quantize_int8
 
 PATHS = ("gemv", "gemm")
 # max |out - ref| / max |ref|. fp32: summation order only. fp16: x is exact, but the GEMM rounds the
@@ -163,13 +151,9 @@ def test_invalid_inputs_raise() -> None:
             qmt.int8_matmul(**args)
 
 
-# Compiles each kernel for an A100 (sm_80, through ptxas; no GPU needed), in a process where the
-# kernels are not interpreted: the interpreter runs code the compiler would reject.
+# Each kernel compiled for an A100 (see gpu_compile.py): both tl.dot branches of the GEMMs (16-bit
+# tensor cores, IEEE fp32).
 COMPILE_FOR_GPU = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 import llmd.kernels.quant_matmul_triton as q
 
 common = {"scales_ptr": "*fp16", "N": "i32", "K": "i32",
@@ -179,18 +163,13 @@ gemv = dict(BLOCK_N=q.GEMV_BLOCK_N, BLOCK_K=q.GEMV_MAX_BLOCK_K)
 gemm = dict(BLOCK_M=16, BLOCK_N=q.GEMM_BLOCK_N, BLOCK_K=q.GEMM_MAX_BLOCK_K)
 kernels = [(q._int4_gemv_kernel, int4, dict(gemv, GROUP_SIZE=128), ["fp16"]),
            (q._int8_gemv_kernel, int8, dict(gemv, GROUP_SIZE=4096), ["fp16"]),
-           # both tl.dot branches: 16-bit tensor cores, IEEE fp32
            (q._int4_gemm_kernel, dict(int4, M="i32"), dict(gemm, GROUP_SIZE=64), ["fp16", "fp32"]),
            (q._int8_gemm_kernel, dict(int8, M="i32"), dict(gemm, GROUP_SIZE=64), ["fp16", "fp32"])]
 for fn, signature, constexprs, x_dtypes in kernels:
     for x in x_dtypes:
-        sig = dict(signature, x_ptr=f"*{x}", out_ptr=f"*{x}", **dict.fromkeys(constexprs, "constexpr"))
-        triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 80, 32))
+        compile_sm80(fn, dict(signature, x_ptr=f"*{x}", out_ptr=f"*{x}"), constexprs)
 """
 
 
 def test_kernels_compile_for_a_gpu(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    compile_for_gpu(COMPILE_FOR_GPU, tmp_path)

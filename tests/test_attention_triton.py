@@ -1,0 +1,221 @@
+"""The Triton attention kernels (KV write, decode with split-K, extend), run by the Triton interpreter on
+the CPU, against the torch reference in ``llmd.kernels.attention_ref`` on ragged batches over paged
+caches whose blocks are scattered through the pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_compile import compile_for_gpu
+
+from llmd.kernels import attention_ref as ref
+from llmd.kernels import attention_triton as at
+
+# max |out - ref|. fp32: summation order and exp2 vs exp only (measured <= 2e-6). fp16: the
+# kernels round the probabilities to fp16 before P @ V, as flash attention does (measured <= 1e-3).
+# A wrong key (another block, another KV head, one past the causal edge) is off by ~0.1 or more.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3}
+
+# (num_kv_heads, GQA group, head_dim, block_size, dtype): every GQA ratio 1/3/4/8, head dim 64/80/96/128,
+# block size 16/32; fp16 in two (bf16 tl.dot is wrong in the interpreter, triton#11584).
+CASES = [
+    (2, 1, 64, 16, torch.float32),
+    (1, 3, 80, 32, torch.float32),
+    (2, 4, 96, 16, torch.float32),
+    (1, 8, 128, 32, torch.float32),
+    (3, 3, 64, 32, torch.float16),
+    (2, 8, 80, 16, torch.float16),
+]
+SEQ_LENS = [1, 15, 16, 17, 100]
+
+
+def case_id(value: object) -> str | None:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [T, H, D], a strided view (as q is, split from the fused qkv projection)
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(self.query_lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    @property
+    def seq_lens_t(self) -> torch.Tensor:
+        return torch.tensor(self.seq_lens, dtype=torch.int32)
+
+
+def paged_batch(query_lens: list[int], seq_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
+                block_size: int, dtype: torch.dtype, seed: int) -> PagedBatch:
+    """A random cache whose sequences own disjoint blocks in shuffled order (and some blocks nobody
+    owns), block tables padded with ids of other sequences' blocks, and a strided query."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(blocks_per_seq) + 2
+    tables, used = [], 0
+    for n in blocks_per_seq:
+        own = order[used:used + n]
+        used += n
+        tables.append(own + order[-(width - n):])  # padding: blocks the sequence must never read
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    heads = num_kv_heads * group
+    qkv = torch.randn(sum(query_lens), heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)
+    return PagedBatch(qkv[:, :heads], k_cache, v_cache, torch.tensor(tables), list(query_lens), list(seq_lens))
+
+
+def max_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return (out.float() - expected.float()).abs().max().item()
+
+
+def reference(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
+    # fp32 reference, whatever the kernels' dtype
+    return ref.paged_attention(batch.query.float(), batch.k_cache.float(), batch.v_cache.float(), batch.query_lens,
+                               batch.seq_lens, batch.block_tables, batch.query.shape[-1] ** -0.5, window)
+
+
+def run_decode(batch: PagedBatch, window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    return at.decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens_t,
+                               max(batch.seq_lens), batch.query.shape[-1] ** -0.5, window, num_splits)
+
+
+def run_extend(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
+    return at.extend_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc,
+                               batch.seq_lens_t, max(batch.query_lens), batch.query.shape[-1] ** -0.5, window)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), CASES, ids=case_id)
+def test_decode_matches_reference(num_kv_heads: int, group: int, head_dim: int, block_size: int,
+                                  dtype: torch.dtype) -> None:
+    batch = paged_batch([1] * len(SEQ_LENS), SEQ_LENS, num_kv_heads, group, head_dim, block_size, dtype, seed=1)
+    expected = reference(batch)
+    # default split count, one split, a count that does not divide the blocks, more splits than blocks
+    for splits in (None, 1, 3, 8):
+        out = run_decode(batch, num_splits=splits)
+        assert out.dtype == dtype and out.shape == batch.query.shape
+        assert max_err(out, expected) < TOLERANCE[dtype], f"num_splits={splits}"
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), CASES, ids=case_id)
+def test_extend_matches_reference(num_kv_heads: int, group: int, head_dim: int, block_size: int,
+                                  dtype: torch.dtype) -> None:
+    # chunks of every length next to cached prefixes of 0 and of non-multiples of the block size
+    # (a prefix hit or earlier chunks); a length-1 chunk is a decode row in a mixed step
+    query_lens = SEQ_LENS
+    contexts = [0, 0, 7, 21, 35]
+    seq_lens = [q + c for q, c in zip(query_lens, contexts)]
+    batch = paged_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=2)
+    out = run_extend(batch)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    assert max_err(out, reference(batch)) < TOLERANCE[dtype]
+
+
+def test_extend_long_chunk_after_long_prefix() -> None:
+    # several BLOCK_M tiles per chunk (100 > 64) behind 3 blocks of context, plus a decode row
+    batch = paged_batch([100, 1], [150, 40], 2, 2, 64, 16, torch.float32, seed=3)
+    assert max_err(run_extend(batch), reference(batch)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window(window: int) -> None:
+    decode = paged_batch([1] * len(SEQ_LENS), SEQ_LENS, 2, 3, 64, 16, torch.float32, seed=4)
+    for splits in (1, 4):
+        assert max_err(run_decode(decode, window, splits), reference(decode, window)) < 1e-5
+    extend = paged_batch([17, 100, 1], [40, 130, 60], 2, 3, 64, 16, torch.float32, seed=5)
+    assert max_err(run_extend(extend, window), reference(extend, window)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=case_id)
+def test_write_kv_matches_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    k_cache = torch.randn(6, 16, 3, 80, generator=g).to(dtype)
+    v_cache = torch.randn(6, 16, 3, 80, generator=g).to(dtype)
+    # key/value as the model makes them: strided views of one fused qkv output, fp32 into the cache dtype
+    qkv = torch.randn(5, 4 + 2 * 3, 80, generator=g)
+    key, value = qkv[:, 4:7], qkv[:, 7:]
+    slots = torch.tensor([0, 17, 95, -1, 40])  # -1: a padding token, written nowhere
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref.write_kv(expected_k, expected_v, key[keep], value[keep], slots[keep])
+    at.write_kv(k_cache, v_cache, key, value, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_decode_splits_heuristic() -> None:
+    # few sequences, long context: split up to MAX_SPLITS; many sequences or short context: no split
+    assert at.decode_splits(1, 2, 4096, 16) == at.MAX_SPLITS
+    assert at.decode_splits(64, 8, 4096, 16) == 1
+    assert at.decode_splits(1, 2, 16 * at.MIN_BLOCKS_PER_SPLIT, 16) == 1
+    assert at.decode_splits(1, 2, 16 * at.MIN_BLOCKS_PER_SPLIT * 3, 16) == 2  # 3 rounds down to a power of two
+    for batch in (1, 3, 17, 64):
+        for length in (1, 100, 1000, 10_000):
+            splits = at.decode_splits(batch, 3, length, 16)
+            assert splits >= 1 and splits & (splits - 1) == 0
+
+
+def test_invalid_inputs_raise() -> None:
+    batch = paged_batch([1, 1], [5, 9], 2, 2, 64, 16, torch.float32, seed=7)
+    args = dict(query=batch.query, k_cache=batch.k_cache, v_cache=batch.v_cache, block_tables=batch.block_tables,
+                seq_lens=batch.seq_lens_t, max_seq_len=9, scale=0.125)
+    bad = [
+        (dict(query=torch.randn(2, 3, 64)), "multiple of the cache's 2 KV heads"),
+        (dict(query=torch.randn(2, 4, 32)), "query must be"),
+        (dict(query=batch.query.to(torch.int32)), "float16, bfloat16 or float32"),
+        (dict(k_cache=batch.k_cache[:, :8].contiguous(), v_cache=batch.v_cache[:, :8].contiguous()), "block size"),
+        (dict(v_cache=batch.v_cache.half()), "one shape and dtype"),
+        (dict(k_cache=batch.k_cache.transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
+        (dict(seq_lens=batch.seq_lens_t[:1]), "seq_lens"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(num_splits=0), "num_splits"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            at.decode_attention(**(args | change))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        at.extend_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
+                            torch.tensor([0, 1], dtype=torch.int32), batch.seq_lens_t, 1, 0.125)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        at.write_kv(batch.k_cache, batch.v_cache, batch.query[:, :2], batch.query[:, :2], torch.tensor([0]))
+
+
+# Every kernel compiled for an A100 (see gpu_compile.py), in fp16 and bf16 (tensor cores) and fp32 (IEEE dots),
+# with and without a sliding window, one split and several.
+COMPILE_FOR_GPU = """
+import llmd.kernels.attention_triton as at
+
+strides = ["stride_qt", "stride_qh", "stride_bt", "stride_cb", "stride_cs", "stride_ch", "stride_ot", "stride_oh"]
+common = dict({s: "i32" for s in strides}, block_tables_ptr="*i64", seq_lens_ptr="*i32", scale_log2="fp32",
+              window="i32")
+for dt in ("fp16", "bf16", "fp32"):
+    cache = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", out_ptr=f"*{dt}")
+    compile_sm80(at._write_kv_kernel,
+                 dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", slot_ptr="*i64",
+                      block_size="i32", stride_kt="i32", stride_kh="i32", stride_vt="i32", stride_vh="i32",
+                      stride_cb="i32", stride_cs="i32", stride_ch="i32"),
+                 dict(NUM_KV_HEADS=3, HEAD_DIM=80, BLOCK_H=4, BLOCK_D=128))
+    for splits, sliding in ((1, False), (4, True)):
+        compile_sm80(at._decode_kernel, dict(common, **cache, part_ptr="*fp32", lse_ptr="*fp32"),
+                     dict(GROUP=3, HEAD_DIM=80, NUM_SPLITS=splits, SLIDING=sliding, BLOCK_G=16, BLOCK_D=128,
+                          BLOCK_N=16))
+        compile_sm80(at._extend_kernel, dict(common, **cache, query_start_ptr="*i32"),
+                     dict(GROUP=4, HEAD_DIM=128, SLIDING=sliding, BLOCK_M=64, BLOCK_D=128, BLOCK_N=32))
+    compile_sm80(at._decode_reduce_kernel,
+                 dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dt}", stride_ot="i32", stride_oh="i32"),
+                 dict(HEAD_DIM=96, NUM_SPLITS=3, BLOCK_S=4, BLOCK_D=128))
+"""
+
+
+def test_kernels_compile_for_a_gpu(tmp_path: Path) -> None:
+    compile_for_gpu(COMPILE_FOR_GPU, tmp_path)
