@@ -1,18 +1,29 @@
-"""The attention backend interface and the batch metadata every backend reads.
+"""The attention backends and the batch metadata every backend reads.
 
 The model never sees blocks or sequences: each attention layer hands its new q/k/v and its slice
 of the KV cache to the backend together with one :class:`AttentionMetadata` built per step by
-whoever drives the model (the simple generator now, the engine's model runner later).
+whoever drives the model (the engine's model runner, or the simple generator the tests use).
+
+Two backends: :class:`TorchAttentionBackend` (the reference; the CPU's) and
+:class:`TritonAttentionBackend` (CUDA's; on the CPU only in the Triton interpreter, for tests).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from llmd.daemon.device import host_tensor
 from llmd.kernels import attention_ref
+
+log = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -24,12 +35,26 @@ class AttentionMetadata:
         query_lens: new tokens per sequence (host list; sums to T).
         seq_lens: total length per sequence after this step (host list).
         block_tables: ``[num_seqs, max_blocks]`` physical block ids.
+
+    Derived once per step (not once per layer): ``max_query_len`` and ``max_seq_len`` on the host,
+    ``query_start_loc`` ``[num_seqs + 1]`` and ``seq_lens_tensor`` ``[num_seqs]`` (int32) on the device.
     """
 
     slot_mapping: torch.Tensor
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: torch.Tensor
+    max_query_len: int = field(init=False)
+    max_seq_len: int = field(init=False)
+    query_start_loc: torch.Tensor = field(init=False)
+    seq_lens_tensor: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_query_len = max(self.query_lens)
+        self.max_seq_len = max(self.seq_lens)
+        device = self.slot_mapping.device
+        self.query_start_loc = host_tensor([0, *itertools.accumulate(self.query_lens)], torch.int32, device)
+        self.seq_lens_tensor = host_tensor(self.seq_lens, torch.int32, device)
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +62,9 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    name: str  # what `--attention` calls it
+    min_block_size: int  # the smallest KV block size it runs
+
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
@@ -49,6 +77,9 @@ class AttentionBackend(Protocol):
 class TorchAttentionBackend:
     """The reference backend: correct everywhere, fast nowhere."""
 
+    name = "torch"
+    min_block_size = 1
+
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
@@ -60,3 +91,67 @@ class TorchAttentionBackend:
             query, k_cache, v_cache, meta.query_lens, meta.seq_lens, meta.block_tables, scale,
             sliding_window,
         )
+
+
+class TritonAttentionBackend:
+    """Triton kernels (llmd.kernels.attention_triton): a pure decode step runs the decode kernel
+    (split-K over long contexts); a step with any prompt chunk runs the extend kernel for all its
+    sequences, decode rows included, so each layer launches one attention kernel per step.
+
+    Args:
+        decode_splits: force the decode kernel's split count (tests); default: by batch and length.
+    """
+
+    name = "triton"
+
+    def __init__(self, decode_splits: int | None = None) -> None:
+        from llmd.kernels import attention_triton
+
+        self.min_block_size = attention_triton.MIN_BLOCK  # tl.dot tiles are >= 16 keys wide
+        self._kernels = attention_triton
+        self.decode_splits = decode_splits
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        kernels = self._kernels
+        kernels.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return kernels.decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor,
+                                            meta.max_seq_len, scale, sliding_window, self.decode_splits)
+        return kernels.extend_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                        meta.seq_lens_tensor, meta.max_query_len, scale, sliding_window)
+
+
+def triton_usable(device: str) -> str | None:
+    """None if the Triton backend can run on ``device``, else why not (one line)."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the Triton attention backend runs on CUDA GPUs (on the CPU only under TRITON_INTERPRET=1, for tests)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the Triton attention backend needs the triton package (pip install triton)"
+    return None
+
+
+def make_attention_backend(name: str, device: str) -> AttentionBackend:
+    """The backend ``--attention`` names for ``device``: ``auto`` is Triton on CUDA (when triton is
+    installed), the torch reference elsewhere.
+
+    Raises:
+        ValueError: an unknown name, or ``triton`` where it cannot run.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    if name == "torch" or (name == "auto" and device == "cpu"):
+        return TorchAttentionBackend()
+    reason = triton_usable(device)
+    if reason is None:
+        return TritonAttentionBackend()
+    if name == "auto":
+        log.warning("%s; attention runs on the slow torch reference path", reason)
+        return TorchAttentionBackend()
+    raise ValueError(f"--attention triton: {reason}")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from llmd.daemon.attention import AttentionBackend
 from llmd.daemon.config import ModelConfig, config_from_hf
 from llmd.daemon.model_source import ModelSource
 from llmd.daemon.models import LlamaForCausalLM
@@ -72,8 +73,9 @@ def _importance(model: LlamaForCausalLM, source: ModelSource, paths: list[str]) 
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               quant: QuantConfig | None = None) -> LoadedModel:
-    """Build our model for ``source``, load its weights, held as ``quant`` says (dense if None).
+               quant: QuantConfig | None = None, attention: AttentionBackend | None = None) -> LoadedModel:
+    """Build our model for ``source``, load its weights, held as ``quant`` says (dense if None);
+    attention runs on ``attention`` (default: the torch reference).
 
     Raises:
         LlmdError subclasses for every problem a user can cause (see llmd.errors).
@@ -103,7 +105,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         weights = iter_safetensors(files)
     streamed = {path: spec for path, spec in plan.items() if path not in calibrated}
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype=dtype, make_linear=linear_factory(streamed))
+        model = LlamaForCausalLM(config, dtype=dtype, attn_backend=attention, make_linear=linear_factory(streamed))
     model.load_weights(progress(weights, total, f"loading {source.name}"))
     try:
         if calibrated:

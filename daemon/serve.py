@@ -30,19 +30,8 @@ class DaemonOptions:
     drain_timeout: float = 10.0
     quant: str = "auto"
     group_size: int | None = None
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise LlmdError("--device cuda: no CUDA device is available (this torch build or machine has none); "
-                        "use --device cpu")
-    if device != "cpu" and device != "cuda":
-        raise LlmdError(f"--device must be auto, cpu or cuda, got {device!r}")
-    return device
+    attention: str = "auto"
+    gpu_memory_fraction: float = 0.8
 
 
 def check_tcp(tcp: str | None) -> None:
@@ -61,7 +50,8 @@ def serve(opts: DaemonOptions) -> int:
     Raises:
         LlmdError: already running, bad model, bad options.
     """
-    from llmd.daemon.device import resolve_dtype
+    from llmd.daemon.attention import make_attention_backend
+    from llmd.daemon.device import resolve_device, resolve_dtype
     from llmd.daemon.engine.engine import EngineConfig, LLMEngine
     from llmd.daemon.loader import load_model
     from llmd.daemon.model_source import resolve_model
@@ -70,12 +60,12 @@ def serve(opts: DaemonOptions) -> int:
 
     check_tcp(opts.tcp)
     device = resolve_device(opts.device)
-    if device != "cpu":
-        raise LlmdError("CUDA serving is not implemented yet (see the GPU issue); use --device cpu")
     try:
         engine_config = EngineConfig(block_size=opts.block_size, kv_cache_mb=opts.kv_cache_mb,
                                      max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_batched_tokens,
-                                     enable_prefix_caching=opts.prefix_cache)
+                                     enable_prefix_caching=opts.prefix_cache,
+                                     gpu_memory_fraction=opts.gpu_memory_fraction)
+        attention = make_attention_backend(opts.attention, device)
         server_config = ServerConfig(max_queue_len=opts.max_queue_len, drain_timeout_s=opts.drain_timeout,
                                      tcp=opts.tcp)
         quant = QuantConfig(opts.quant, opts.group_size)
@@ -87,13 +77,17 @@ def serve(opts: DaemonOptions) -> int:
         start = time.monotonic()
         source = resolve_model(opts.model)
         dtype = resolve_dtype(opts.dtype, device)
-        loaded = load_model(source, dtype=dtype, device=device, quant=quant)
+        loaded = load_model(source, dtype=dtype, device=device, quant=quant, attention=attention)
         tokenizer = load_tokenizer(source)
-        engine = LLMEngine(loaded.model, tokenizer, engine_config,
-                           eos_token_ids=stop_token_ids(tokenizer, loaded.config))
+        try:
+            engine = LLMEngine(loaded.model, tokenizer, engine_config,
+                               eos_token_ids=stop_token_ids(tokenizer, loaded.config))
+        except ValueError as e:  # e.g. no GPU memory left for the KV cache
+            raise LlmdError(str(e)) from None
         memory = weight_memory(loaded.model)
         info = {"model": source.name, "model_path": str(source.path), "model_type": loaded.config.model_type,
                 "device": device, "dtype": str(dtype).removeprefix("torch."),
+                "attention": attention.name,
                 "quantization": describe_quant(loaded.model, quant), "weight_bytes": sum(memory.values()),
                 "weight_memory": memory,
                 "kv_cache_blocks": engine.num_blocks,

@@ -33,6 +33,16 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -85,8 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     start.add_argument("--quant", choices=QUANT_SCHEMES, default="auto", help=QUANT_HELP)
     start.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help=GROUP_HELP)
+    start.add_argument("--attention", choices=["auto", "torch", "triton"], default="auto",
+                       help="attention kernels: auto is Triton on CUDA, torch on the CPU (default: auto)")
     start.add_argument("--kv-cache-mb", type=_positive_int, default=None,
-                       help="memory for the KV cache (default: 1024, at most a quarter of free RAM)")
+                       help="memory for the KV cache (default: CPU 1024, at most a quarter of free RAM; "
+                            "GPU what --gpu-memory-fraction leaves)")
+    start.add_argument("--gpu-memory-fraction", type=_fraction, default=0.8,
+                       help="share of the GPU's memory llmd may use for weights, activations and the KV cache; "
+                            "the rest is left to the desktop (default: 0.8)")
     start.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
     start.add_argument("--max-num-seqs", type=_positive_int, default=64, help="requests running at once (default: 64)")
     start.add_argument("--max-batched-tokens", type=_positive_int, default=512,
@@ -196,7 +212,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
         prefix_cache=args.prefix_cache, socket_dir=args.socket_dir, tcp=args.tcp, max_queue_len=args.max_queue_len,
-        quant=args.quant, group_size=args.group_size,
+        quant=args.quant, group_size=args.group_size, attention=args.attention,
+        gpu_memory_fraction=args.gpu_memory_fraction,
     )
     if args.foreground:
         return serve(opts)
@@ -220,7 +237,8 @@ def _start_background(args: argparse.Namespace) -> int:
                         ("--kv-cache-mb", args.kv_cache_mb), ("--block-size", args.block_size),
                         ("--max-num-seqs", args.max_num_seqs), ("--max-batched-tokens", args.max_batched_tokens),
                         ("--max-queue-len", args.max_queue_len), ("--tcp", args.tcp), ("--quant", args.quant),
-                        ("--group-size", args.group_size)):
+                        ("--group-size", args.group_size), ("--attention", args.attention),
+                        ("--gpu-memory-fraction", args.gpu_memory_fraction)):
         if value is not None:
             argv += [flag, str(value)]
     if not args.prefix_cache:
@@ -304,7 +322,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     used, cached, total = stats["num_blocks_used"], stats["num_blocks_cached_free"], stats["num_blocks"]
     lines = [
         f"running     pid {info['pid']}, up {stats['uptime_s']:.0f}s, llmd {info['version']}",
-        f"model       {info['model']} ({info['model_type']}), {info['device']}, {info['dtype']}",
+        f"model       {info['model']} ({info['model_type']}), {info['device']}, {info['dtype']}, "
+        f"{info.get('attention', '?')} attention",
         f"quantised   {info['quantization']}",
         f"weights     {info.get('weight_bytes', 0) / 2**20:.0f} MiB held: {_weight_memory_line(info)}",
         f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "

@@ -214,3 +214,14 @@ def test_subprocess_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
     assert proc.stderr.strip().startswith("llmd: error: model")
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_start_on_a_gpu_that_is_not_there(capsys, hf_dir: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["start", "--foreground", "--model", str(hf_dir), "--socket-dir", str(tmp_path / "run")]
+    assert main([*base, "--device", "cuda"]) == 1
+    assert "no CUDA device is available" in error_line(capsys.readouterr().err)
+    monkeypatch.delenv("TRITON_INTERPRET")  # the suite runs Triton in its interpreter; a user does not
+    assert main([*base, "--attention", "triton"]) == 1
+    assert "--attention triton: the Triton attention backend runs on CUDA GPUs" in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run" / "daemon.json").exists()

@@ -165,15 +165,16 @@ def gguf_tensor_offset_position(path: Path, tensor_name: str) -> int:
     return int(offset_part.ctypes.data - reader.data.ctypes.data)
 
 
-def make_engine(model_dir: Path, **config: Any) -> Any:
-    """An :class:`LLMEngine` over a saved model directory (tokenizer files included)."""
+def make_engine(model_dir: Path, attention: Any = None, **config: Any) -> Any:
+    """An :class:`LLMEngine` over a saved model directory (tokenizer files included); attention on
+    the torch reference unless ``attention`` (a backend) says otherwise."""
     from llmd.daemon.engine.engine import EngineConfig, LLMEngine
     from llmd.daemon.loader import load_model
     from llmd.daemon.model_source import resolve_model
     from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
 
     source = resolve_model(model_dir)
-    loaded = load_model(source)
+    loaded = load_model(source, attention=attention)
     tokenizer = load_tokenizer(source)
     return LLMEngine(loaded.model, tokenizer, EngineConfig(**config),
                      eos_token_ids=stop_token_ids(tokenizer, loaded.config))

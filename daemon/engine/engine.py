@@ -6,12 +6,12 @@ calls :meth:`LLMEngine.step` in a loop and routes the deltas it returns.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmd.daemon.engine.detokenizer import RequestDetokenizer
+from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.model_runner import ModelRunner, kv_block_bytes
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
@@ -22,9 +22,6 @@ from llmd.daemon.engine.stats import EngineStats, ThroughputMeter
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
 
-DEFAULT_CPU_KV_CACHE_MB = 1024
-
-
 @dataclass(slots=True)
 class EngineConfig:
     """Engine knobs. Raises ``ValueError`` with the fix in the message.
@@ -32,7 +29,9 @@ class EngineConfig:
     Attributes:
         block_size: tokens per KV block.
         kv_cache_mb: memory for the KV pool; default: 1 GiB on the CPU, capped at a quarter of
-            the available RAM.
+            the available RAM; on a GPU, what ``gpu_memory_fraction`` leaves (daemon/engine/kv_budget.py).
+        gpu_memory_fraction: the share of the GPU's memory llmd may use in all (weights,
+            activations, KV pool); the rest stays for the desktop.
         num_blocks: exact pool size (overrides ``kv_cache_mb``; tests use tiny pools).
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
@@ -47,6 +46,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    gpu_memory_fraction: float = 0.8
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -59,13 +59,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _available_ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
+        fraction = self.gpu_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {fraction!r}")
 
 
 @dataclass(slots=True)
@@ -94,21 +90,29 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings)
+        if config.block_size < model.attn_backend.min_block_size:
+            raise ValueError(f"the {model.attn_backend.name} attention backend needs a block size of at least "
+                             f"{model.attn_backend.min_block_size}, got {config.block_size}")
+        self.runner = ModelRunner(model, config.block_size)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
+        self.runner.allocate_kv_cache(self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size)
         self.requests: dict[str, _Request] = {}
         self.meter = ThroughputMeter()
 
     def _blocks_for_budget(self) -> int:
         cfg = self.config
-        budget_mb = cfg.kv_cache_mb or min(DEFAULT_CPU_KV_CACHE_MB, _available_ram_bytes() // 4 >> 20)
+        if self.runner.device.type == "cuda" and cfg.kv_cache_mb is None:
+            budget = measure_gpu_kv_budget(self.runner, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                           cfg.gpu_memory_fraction)
+        else:
+            budget = cpu_kv_budget_bytes(cfg.kv_cache_mb)
         per_block = kv_block_bytes(self.model, cfg.block_size, self.model.dtype)
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never used
-        return max(1, min((budget_mb << 20) // per_block, useful))
+        return max(1, min(budget // per_block, useful))
 
     @property
     def max_request_tokens(self) -> int:

@@ -27,27 +27,34 @@ class LLM:
 
     Args:
         model: ``--model`` value (path, repo id in the HF cache, or None for the default model).
-        dtype: ``auto`` (bf16 where the CPU multiplies it natively, else fp32), ``float32``,
-            ``bfloat16`` or ``float16``.
+        device: ``auto`` (CUDA when there is a GPU), ``cpu`` or ``cuda``.
+        dtype: ``auto`` (on a GPU bf16, or fp16 where bf16 is slow; on the CPU bf16 where it multiplies
+            it natively, else fp32), ``float32``, ``bfloat16`` or ``float16``.
         quant: ``auto`` (a GGUF's own blocks, else INT4), ``none``, ``int8``, ``int4``, ``nf4`` or
             ``bnb-int8`` for the projections; ``group_size`` 32/64/128 for int4/int8.
+        attention: ``auto`` (Triton kernels on CUDA, the torch reference on the CPU), ``torch`` or
+            ``triton``.
         **engine_config: :class:`EngineConfig` fields (``num_blocks``, ``block_size``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
     """
 
-    def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str = "auto",
-                 quant: str = "auto", group_size: int | None = None, **engine_config: Any) -> None:
-        from llmd.daemon.device import resolve_dtype
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, device: str = "auto", dtype: str = "auto",
+                 quant: str = "auto", group_size: int | None = None, attention: str = "auto",
+                 **engine_config: Any) -> None:
+        from llmd.daemon.attention import make_attention_backend
+        from llmd.daemon.device import resolve_device, resolve_dtype
         from llmd.daemon.loader import load_model
         from llmd.daemon.model_source import resolve_model
         from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
-
-        source = resolve_model(model)
         from llmd.quant.apply import QuantConfig
 
+        source = resolve_model(model)
         config = EngineConfig(**engine_config)  # validate before the slow part
         self.quant = QuantConfig(quant, group_size)
-        loaded = load_model(source, dtype=resolve_dtype(dtype), quant=self.quant)
+        device = resolve_device(device)
+        backend = make_attention_backend(attention, device)
+        loaded = load_model(source, dtype=resolve_dtype(dtype, device), device=device, quant=self.quant,
+                            attention=backend)
         self.source = source
         self.tokenizer = load_tokenizer(source)
         self.engine = LLMEngine(loaded.model, self.tokenizer, config,

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from llmd.daemon.attention import AttentionMetadata
+from llmd.daemon.device import host_tensor
 from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler
+from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch
 from llmd.daemon.engine.sequence import Sequence
 from llmd.daemon.models import LlamaForCausalLM
@@ -28,22 +30,46 @@ class ModelRunner:
 
     Args:
         model: the loaded model.
-        num_blocks, block_size: the paged KV pool's shape.
+        block_size: tokens per KV block; the pool itself comes with :meth:`allocate_kv_cache`
+            (on a GPU its size is known only after :meth:`profile_run`).
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
-        cfg = model.config
         self.device = model.model.embed_tokens.weight.device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=self.device),
-             torch.zeros(shape, dtype=model.dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._new_kv_cache(num_blocks)
+
+    def _new_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model.config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.model.dtype, device=self.device))
+                for _ in range(cfg.num_layers)]
+
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """Run the largest step the scheduler can make (``num_tokens`` of prompt, logits and
+        top-p sampling for ``num_seqs`` rows) on a throwaway cache, so that the peak activation
+        memory is known before the KV pool takes the rest. Changes no state."""
+        num_blocks = -(-num_tokens // self.block_size)
+        caches, self.kv_caches = self.kv_caches, self._new_kv_cache(num_blocks)
+        try:
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(num_tokens, device=self.device), query_lens=[num_tokens],
+                seq_lens=[num_tokens], block_tables=torch.arange(num_blocks, device=self.device)[None, :])
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), self.kv_caches, meta)
+            rows = min(num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[:rows])
+            params = SamplingParams(temperature=1.0, top_p=0.9)
+            self.sampler(logits, [SampleRequest(params, [], [], None)] * rows)
+        finally:
+            self.kv_caches = caches
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's RNG."""
@@ -59,44 +85,51 @@ class ModelRunner:
             self._generators[seq.request_id] = gen
         return gen
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat inputs for ``batch``; also returns the batch rows whose last token is sampled."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
+                                                       torch.Tensor]:
+        """Flat inputs for ``batch``; also returns the batch rows whose last token is sampled and
+        the indices of those tokens in the flat batch.
+
+        Everything is built on the host and copied once per tensor without blocking (host_tensor):
+        preparing step N+1 never waits for the GPU to finish step N's kernels.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        sample_tokens: list[int] = []
+        bs = self.block_size
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + num_new
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
+            blocks = seq.block_ids
+            slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
             if end == seq.num_tokens:
                 sample_rows.append(row)
+                sample_tokens.append(len(input_ids) - 1)
         max_blocks = max(len(seq.block_ids) for seq in batch.seqs)
-        block_tables = torch.tensor([seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in batch.seqs],
-                                    dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        seq_index = torch.repeat_interleave(torch.arange(len(batch.seqs), device=self.device),
-                                            torch.tensor(query_lens, device=self.device))
-        slot_mapping = block_tables[seq_index, pos // self.block_size] * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(slot_mapping=slot_mapping, query_lens=query_lens, seq_lens=seq_lens,
-                                 block_tables=block_tables)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return ids, pos, meta, sample_rows
+        tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=host_tensor(slots, torch.long, dev), query_lens=query_lens,
+                                 seq_lens=seq_lens, block_tables=host_tensor(tables, torch.long, dev))
+        return (host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev), meta, sample_rows,
+                host_tensor(sample_tokens, torch.long, dev))
 
     def run(self, batch: ScheduledBatch) -> tuple[list[int | None], SampleResult | None]:
         """Run one step. Returns per scheduled sequence the sampled token (None while its prompt is
         unfinished), and the sampler's result for the sampled rows."""
-        ids, pos, meta, sample_rows = self.prepare(batch)
+        ids, pos, meta, sample_rows, sample_tokens = self.prepare(batch)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not sample_rows:
             return sampled, None
-        ends = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[ends[sample_rows]])
+        logits = self.model.compute_logits(hidden[sample_tokens])
         rows = [
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq))
             for seq in (batch.seqs[r] for r in sample_rows)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmd.daemon.device import host_tensor
 from llmd.daemon.engine.sampling_params import SamplingParams
 
 
@@ -41,18 +42,19 @@ class Sampler:
         if all(r.params.greedy for r in rows):
             return self._result(greedy_tokens.tolist(), raw_logprobs, rows)
         device = logits.device
-        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=device)
+        temperature = host_tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], torch.float32,
+                                  device)
         logits = logits / temperature[:, None]
         logits = self._top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = host_tensor([r.params.min_p for r in rows], torch.float32, device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs)
         for i, r in enumerate(rows):
             noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        is_greedy = host_tensor([r.params.greedy for r in rows], torch.bool, device)
         return self._result(torch.where(is_greedy, greedy_tokens, sampled).tolist(), raw_logprobs, rows)
 
     @staticmethod
@@ -78,12 +80,12 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             if p.repetition_penalty != 1:
-                seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long,
-                                    device=logits.device)
+                seen = host_tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), torch.long,
+                                   logits.device)
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-                counts = torch.bincount(torch.tensor(r.output_token_ids, device=logits.device), minlength=vocab)
+                counts = torch.bincount(host_tensor(r.output_token_ids, torch.long, logits.device), minlength=vocab)
                 counts = counts[:vocab].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
@@ -98,12 +100,12 @@ class Sampler:
         device = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
-        drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+        drop = ranks >= host_tensor(top_k, torch.long, device)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token once the ones before it already reach top_p; the first always stays.
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= before >= torch.tensor(top_p, device=device)[:, None]
+        drop |= before >= host_tensor(top_p, torch.float32, device)[:, None]
         mask = torch.zeros_like(drop).scatter(1, order, drop)
         return logits.masked_fill(mask, float("-inf"))
 

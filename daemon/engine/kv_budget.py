@@ -1,0 +1,71 @@
+"""How much memory the paged KV pool gets: the rest of the device once weights and activations fit.
+
+CPU: ``--kv-cache-mb``, or 1 GiB capped at a quarter of the available RAM (the desktop keeps the rest).
+
+CUDA: after the weights are loaded, the model runner runs the largest step the scheduler can make
+(:meth:`ModelRunner.profile_run`) to measure the activation peak; then the pool takes what is left of
+``gpu_memory_fraction`` of the card, and never more than what is free right now (the desktop and other
+processes hold the rest), minus a margin for allocations torch does not see (cuBLAS workspaces,
+Triton's compiled kernels, fragmentation). vLLM sizes its pool the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_MB = 1024
+GPU_MARGIN_BYTES = 256 << 20
+
+
+def available_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def cpu_kv_budget_bytes(kv_cache_mb: int | None) -> int:
+    return (kv_cache_mb or min(DEFAULT_CPU_KV_CACHE_MB, available_ram_bytes() // 4 >> 20)) << 20
+
+
+def gpu_kv_budget_bytes(total: int, free: int, peak_reserved: int, reserved: int, fraction: float) -> int:
+    """Bytes for the KV pool on a GPU.
+
+    Args:
+        total, free: the device's memory and what is free now (``torch.cuda.mem_get_info``), after
+            the profile run.
+        peak_reserved: the most this process's allocator held during the profile run (weights plus
+            the activation peak).
+        reserved: what it holds now (weights, plus cached activation memory unless emptied).
+        fraction: the share of ``total`` this process may use in all.
+
+    Raises:
+        ValueError: nothing is left for the pool; the message says what to change.
+    """
+    within_fraction = int(fraction * total) - peak_reserved
+    # Activation memory beyond what the allocator still holds must come out of `free` too.
+    within_free = free - (peak_reserved - reserved) - GPU_MARGIN_BYTES
+    budget = min(within_fraction, within_free)
+    if budget <= 0:
+        mib = 1 << 20
+        raise ValueError(
+            f"no GPU memory left for the KV cache: weights and activations take {peak_reserved // mib} MiB, "
+            f"--gpu-memory-fraction {fraction} allows {int(fraction * total) // mib} MiB of {total // mib} MiB, "
+            f"{free // mib} MiB are free; raise --gpu-memory-fraction, lower --max-batched-tokens, "
+            "or choose a smaller model or --quant int4")
+    return budget
+
+
+def measure_gpu_kv_budget(runner, max_num_batched_tokens: int, max_num_seqs: int, fraction: float) -> int:
+    """Profile the largest step on the runner's GPU and return :func:`gpu_kv_budget_bytes`."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.profile_run(max_num_batched_tokens, max_num_seqs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device)
+    torch.cuda.empty_cache()  # hand the activations' cached blocks back; the pool may need them
+    free, total = torch.cuda.mem_get_info(device)
+    return gpu_kv_budget_bytes(total, free, peak, torch.cuda.memory_reserved(device), fraction)

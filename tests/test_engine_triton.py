@@ -1,0 +1,85 @@
+"""The engine with the Triton attention backend (in the interpreter, on CPU tensors) gives the same
+greedy tokens as with the torch backend, through chunked prefill, prefix-cache hits, split-K decode
+and sliding windows; and how the backend is chosen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
+
+from llmd.daemon.attention import (AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend,
+                                   make_attention_backend)
+from llmd.daemon.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+class RecordingTritonBackend(TritonAttentionBackend):
+    """Counts, per step of layer 0, which kernel ran and what it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_steps = 0
+        self.split_decode_steps = 0
+        self.extend_steps = 0
+        self.chunks_after_cached_tokens = 0  # prompt chunks behind cached context: prefix hits, later chunks
+        self._layer_calls = 0
+
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale, sliding_window):
+        self._layer_calls += 1
+        if self._layer_calls % 2 == 1:  # the tiny models have 2 layers: count each step once
+            if meta.max_query_len == 1:
+                self.decode_steps += 1
+                splits = self._kernels.decode_splits(len(meta.seq_lens), key.shape[1], meta.max_seq_len,
+                                                     kv_cache[0].shape[1])
+                self.split_decode_steps += splits > 1
+            else:
+                self.extend_steps += 1
+                self.chunks_after_cached_tokens += sum(q > 1 and s > q for q, s in zip(meta.query_lens, meta.seq_lens))
+        return super().forward(query, key, value, kv_cache, meta, scale, sliding_window)
+
+
+def make_requests(seed: int) -> list[tuple[int, str, list[int], SamplingParams]]:
+    """8 requests of 1..80 prompt tokens, half sharing a 37-token prefix (not a block multiple),
+    arriving over 6 steps, so that later arrivals hit the prefix cache."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 259, (37,), generator=g).tolist()
+    reqs = []
+    for i in range(8):
+        tail = torch.randint(0, 259, (int(torch.randint(1, 44, (1,), generator=g)),), generator=g).tolist()
+        reqs.append((i * 2 % 6, f"r{i}", shared + tail if i % 2 else tail, GREEDY))
+    return reqs
+
+
+@pytest.mark.parametrize("model", ["qwen2", "mistral", "smollm2"])  # GQA 2 + qkv bias; sliding window 16; GQA 3
+def test_triton_backend_matches_torch_backend(tmp_path: Path, model: str) -> None:
+    model_dir = save_hf_model(make_hf_model(model), tmp_path / model, with_tokenizer=True)
+    requests = make_requests(seed=len(model))
+    config = dict(num_blocks=96, block_size=16, max_num_batched_tokens=24)  # 24: prompts arrive in chunks
+    expected = run_engine(make_engine(model_dir, attention=TorchAttentionBackend(), **config), requests)
+    backend = RecordingTritonBackend()
+    engine = make_engine(model_dir, attention=backend, **config)
+    assert run_engine(engine, requests) == expected
+    assert engine.stats().prefix_cache_hit_rate > 0
+    assert backend.extend_steps > 0 and backend.chunks_after_cached_tokens > 0
+    assert backend.decode_steps > 0 and backend.split_decode_steps > 0
+
+
+def test_triton_backend_refuses_small_blocks(tmp_path: Path) -> None:
+    model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "m", with_tokenizer=True)
+    with pytest.raises(ValueError, match="triton attention backend needs a block size of at least 16, got 8"):
+        make_engine(model_dir, attention=TritonAttentionBackend(), num_blocks=8, block_size=8)
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(make_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    assert isinstance(make_attention_backend("torch", "cuda"), TorchAttentionBackend)
+    assert isinstance(make_attention_backend("triton", "cpu"), TritonAttentionBackend)  # TRITON_INTERPRET=1 here
+    with pytest.raises(ValueError, match="one of auto, torch, triton"):
+        make_attention_backend("flash", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="runs on CUDA GPUs"):
+        make_attention_backend("triton", "cpu")
