@@ -63,7 +63,12 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str  # what `--attention` calls it
-    min_block_size: int  # the smallest KV block size it runs
+
+    def unsupported(self, block_size: int, head_dim: int | None = None,
+                    dtype: torch.dtype | None = None) -> str | None:
+        """None if this backend runs a KV cache of these blocks (and heads and dtype, if given),
+        else why not."""
+        ...
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,7 +83,10 @@ class TorchAttentionBackend:
     """The reference backend: correct everywhere, fast nowhere."""
 
     name = "torch"
-    min_block_size = 1
+
+    def unsupported(self, block_size: int, head_dim: int | None = None,
+                    dtype: torch.dtype | None = None) -> str | None:
+        return None
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -107,9 +115,12 @@ class TritonAttentionBackend:
     def __init__(self, decode_splits: int | None = None) -> None:
         from llmd.kernels import attention_triton
 
-        self.min_block_size = attention_triton.MIN_BLOCK  # tl.dot tiles are >= 16 keys wide
         self._kernels = attention_triton
         self.decode_splits = decode_splits
+
+    def unsupported(self, block_size: int, head_dim: int | None = None,
+                    dtype: torch.dtype | None = None) -> str | None:
+        return self._kernels.unsupported(block_size, head_dim, dtype)
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -126,10 +137,18 @@ class TritonAttentionBackend:
                                         meta.seq_lens_tensor, meta.max_query_len, scale, sliding_window)
 
 
+# The oldest GPUs the kernels are sized for (64 KiB of shared memory: Turing, sm_75).
+MIN_CUDA_CAPABILITY = (7, 5)
+
+
 def triton_usable(device: str) -> str | None:
     """None if the Triton backend can run on ``device``, else why not (one line)."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "the Triton attention backend runs on CUDA GPUs (on the CPU only under TRITON_INTERPRET=1, for tests)"
+    if device == "cuda" and torch.cuda.get_device_capability() < MIN_CUDA_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability()
+        return (f"the Triton attention kernels need a GPU of compute capability 7.5 (Turing) or newer, "
+                f"this one has {major}.{minor}")
     try:
         import triton  # noqa: F401
     except ImportError:

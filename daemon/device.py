@@ -44,15 +44,16 @@ def cpu_has_fast_bf16() -> bool:
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """Map ``auto|float32|bfloat16|float16`` to a torch dtype for ``device``.
 
-    ``auto``: bf16 on CUDA GPUs that support it (else fp16); on the CPU, bf16 where the CPU
-    multiplies it natively, else fp32.
+    ``auto``: bf16 on CUDA GPUs that compute it natively (Ampere and later), else fp16; on the CPU,
+    bf16 where the CPU multiplies it natively, else fp32.
 
     Raises:
         ValueError: an unknown name.
     """
     if name == "auto":
         if device.startswith("cuda"):
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # including_emulation=False: pre-Ampere cards "support" bf16 only by slow emulation
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     if name not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")

@@ -50,6 +50,8 @@ def serve(opts: DaemonOptions) -> int:
     Raises:
         LlmdError: already running, bad model, bad options.
     """
+    import torch
+
     from llmd.daemon.attention import make_attention_backend
     from llmd.daemon.device import resolve_device, resolve_dtype
     from llmd.daemon.engine.engine import EngineConfig, LLMEngine
@@ -66,6 +68,8 @@ def serve(opts: DaemonOptions) -> int:
                                      enable_prefix_caching=opts.prefix_cache,
                                      gpu_memory_fraction=opts.gpu_memory_fraction)
         attention = make_attention_backend(opts.attention, device)
+        if reason := attention.unsupported(opts.block_size):  # before the slow load; head_dim is checked after
+            raise ValueError(f"{reason}; use --attention torch")
         server_config = ServerConfig(max_queue_len=opts.max_queue_len, drain_timeout_s=opts.drain_timeout,
                                      tcp=opts.tcp)
         quant = QuantConfig(opts.quant, opts.group_size)
@@ -77,13 +81,16 @@ def serve(opts: DaemonOptions) -> int:
         start = time.monotonic()
         source = resolve_model(opts.model)
         dtype = resolve_dtype(opts.dtype, device)
-        loaded = load_model(source, dtype=dtype, device=device, quant=quant, attention=attention)
-        tokenizer = load_tokenizer(source)
         try:
+            loaded = load_model(source, dtype=dtype, device=device, quant=quant, attention=attention)
+            tokenizer = load_tokenizer(source)
             engine = LLMEngine(loaded.model, tokenizer, engine_config,
                                eos_token_ids=stop_token_ids(tokenizer, loaded.config))
-        except ValueError as e:  # e.g. no GPU memory left for the KV cache
+        except ValueError as e:  # e.g. no GPU memory left for the KV cache, a block size the kernels lack
             raise LlmdError(str(e)) from None
+        except torch.OutOfMemoryError:
+            raise LlmdError(f"{source.name} does not fit in GPU memory: choose --quant int4, a smaller model, "
+                            "or --device cpu") from None
         memory = weight_memory(loaded.model)
         info = {"model": source.name, "model_path": str(source.path), "model_type": loaded.config.model_type,
                 "device": device, "dtype": str(dtype).removeprefix("torch."),

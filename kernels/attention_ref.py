@@ -135,6 +135,8 @@ def decode_attention(
         visible &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # Padding slots hold stale data: probability 0 times a stale inf or NaN would still be NaN.
+    v = v.masked_fill(~visible[:, :, None, None], 0.0)
     return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(batch, num_heads, head_dim).to(query.dtype)
 
 

@@ -26,16 +26,20 @@ GPU checklist (no GPU is available to this project; every kernel runs in the Tri
 interpreter in the tests, and ``tests/test_attention_triton.py`` compiles each for sm_80):
 
 * every ``tl.arange`` extent is a power of two: ``BLOCK_D`` is ``head_dim`` rounded up (80 and 96
-  use 128, masked; at least 16), ``BLOCK_N`` is the KV block size (a power of two >= 16), ``BLOCK_G`` and
+  use 128, masked; at least 16), ``BLOCK_N`` is the KV block size (16 or 32), ``BLOCK_G`` and
   ``BLOCK_M`` are powers of two >= 16, ``BLOCK_S`` is the split count rounded up;
+* tiles fit in shared memory on every targeted card (<= 64 KiB): block size <= 32, head_dim <= 128,
+  ``BLOCK_M`` <= 64 (32 in fp32); the compile test reads each kernel's shared-memory use;
 * every ``tl.dot`` operand is at least 16 in each dimension: ``BLOCK_G``/``BLOCK_M`` >= 16 rows,
   ``BLOCK_N`` >= 16 keys, ``BLOCK_D`` >= 16; the block size is checked to be >= 16;
-* every ragged edge is masked: head_dim below ``BLOCK_D``, keys past ``seq_len`` in a last block,
+* every ragged edge is masked: head_dim below ``BLOCK_D``, keys past ``seq_len`` in a last block
+  (their V loads as 0, so stale inf/NaN in a reused block cannot leak),
   query rows past a chunk's end, padding rows of a GQA group below ``BLOCK_G``, empty splits,
   sliding windows; a row that sees no key in a block keeps a finite running max (no ``inf - inf``);
 * fp16/bf16 operands on tensor cores with fp32 accumulation; fp32 (the interpreter's dtype here,
   as bf16 ``tl.dot`` is wrong in the interpreter, triton#11584) uses IEEE precision, not TF32;
-* pointer offsets that can exceed 2**31 (block id times block stride) are computed in int64.
+* pointer offsets that can exceed 2**31 (block id times block stride, token index times token
+  stride) are computed in int64.
 """
 
 from __future__ import annotations
@@ -47,7 +51,12 @@ import triton
 import triton.language as tl
 
 MIN_BLOCK = 16  # tl.dot needs every operand dimension >= 16
-EXTEND_MAX_BLOCK_M = 64
+# Tiles must fit in shared memory: 64 KiB on the smallest card targeted (Turing, sm_75), ~100 KiB on
+# consumer Ampere/Ada. The K/V tile is one KV block, so the block size and head_dim are capped,
+# and fp32 uses half the query rows. The largest allowed tiles need <= 54 KiB (compile test).
+MAX_BLOCK_SIZE = 32
+MAX_HEAD_DIM = 128
+EXTEND_MAX_BLOCK_M = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 32}
 # Split-K for decode: aim for about this many programs per step (a GPU's SM count is ~30-140),
 # but give each split at least MIN_BLOCKS_PER_SPLIT KV blocks, or combining costs more than it saves.
 DECODE_TARGET_PROGRAMS = 128
@@ -63,7 +72,7 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, blo
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -109,7 +118,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
@@ -138,9 +147,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     for blk in range(start, end):
         block_id = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
         kv_off = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=mask_d[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=mask_d[None, :], other=0.0)
         k_pos = blk * BLOCK_N + n
+        # Slots past seq_len hold stale data: K there is masked out of the scores, but V must be
+        # loaded as 0, as a stale inf or NaN times probability 0 is NaN in P @ V.
+        in_seq = (k_pos < seq_len)[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=in_seq, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=in_seq, other=0.0)
         visible = k_pos < seq_len
         if SLIDING:
             visible &= q_pos - k_pos < window
@@ -189,7 +201,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     seq = tl.program_id(0)
     head = tl.program_id(1)
     m_block = tl.program_id(2)
-    q_start = tl.load(query_start_ptr + seq)
+    q_start = tl.load(query_start_ptr + seq).to(tl.int64)  # token offsets times strides can pass 2**31
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # tokens cached before this chunk (a prefix hit or earlier chunks)
@@ -217,9 +229,10 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     for blk in range(first_block, end_block):
         block_id = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
         kv_off = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=mask_d[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=mask_d[None, :], other=0.0)
         k_pos = blk * BLOCK_N + n
+        in_seq = (k_pos < seq_len)[:, None] & mask_d[None, :]  # stale slots as 0 (see _decode_kernel)
+        k = tl.load(k_cache_ptr + kv_off, mask=in_seq, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=in_seq, other=0.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
         if SLIDING:
             visible &= q_pos[:, None] - k_pos[None, :] < window
@@ -241,12 +254,19 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"{tuple(v_cache.shape)} {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if k_cache.dtype not in _DTYPES:
-        raise ValueError(f"the KV cache must be float16, bfloat16 or float32, got {k_cache.dtype}")
-    block_size = k_cache.shape[1]
-    if block_size < MIN_BLOCK or block_size & (block_size - 1):
-        raise ValueError(f"the Triton attention kernels need a power-of-two block size >= {MIN_BLOCK}, "
-                         f"got {block_size}")
+    if reason := unsupported(k_cache.shape[1], k_cache.shape[3], k_cache.dtype):
+        raise ValueError(reason)
+
+
+def unsupported(block_size: int, head_dim: int | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """None if the kernels run these shapes, else why not (one line)."""
+    if not MIN_BLOCK <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        return f"the Triton attention kernels need a block size of 16 or 32, got {block_size}"
+    if head_dim is not None and head_dim > MAX_HEAD_DIM:
+        return f"the Triton attention kernels support head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+    if dtype is not None and dtype not in _DTYPES:
+        return f"the KV cache must be float16, bfloat16 or float32, got {dtype}"
+    return None
 
 
 def _check_tokens(name: str, x: torch.Tensor, heads: int | None, head_dim: int, device: torch.device) -> None:
@@ -365,9 +385,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-def extend_block_m(max_query_len: int) -> int:
-    """Query rows per extend tile: the next power of two of the longest chunk within [16, 64]."""
-    return min(EXTEND_MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(max_query_len)))
+def extend_block_m(max_query_len: int, dtype: torch.dtype) -> int:
+    """Query rows per extend tile: the next power of two of the longest chunk, at least 16 and at
+    most what fits in shared memory for ``dtype``."""
+    return min(EXTEND_MAX_BLOCK_M[dtype], max(MIN_BLOCK, triton.next_power_of_2(max_query_len)))
 
 
 def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -399,7 +420,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if total == 0:
         return out
-    block_m = extend_block_m(max_query_len)
+    block_m = extend_block_m(max_query_len, query.dtype)
     grid = (num_seqs, num_heads, math.ceil(max_query_len / block_m))
     _extend_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E, window,

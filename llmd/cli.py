@@ -172,12 +172,20 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate_in_process(args: argparse.Namespace, prompt: str) -> int:
+    import torch
+
     from llmd.daemon.engine.llm import LLM
     from llmd.daemon.engine.sampling_params import SamplingParams
     from llmd.daemon.tokenizer import encode_prompt
 
     params = SamplingParams(**_sampling_kwargs(args))
-    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, group_size=args.group_size)
+    try:
+        # One request: a KV pool for one sequence's context is all it can use (also on a GPU).
+        llm = LLM(args.model, dtype=args.dtype, quant=args.quant, group_size=args.group_size, max_num_seqs=1)
+    except ValueError as e:  # e.g. the GPU has no memory left for the KV cache
+        raise LlmdError(str(e)) from None
+    except torch.OutOfMemoryError:
+        raise LlmdError("the model does not fit in GPU memory: choose --quant int4 or a smaller model") from None
     prompt_ids = encode_prompt(llm.tokenizer, prompt, args.chat)
     for delta in llm.stream(prompt_ids, params):
         sys.stdout.write(delta.text)

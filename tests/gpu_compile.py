@@ -20,13 +20,13 @@ from triton.compiler import ASTSource
 
 def compile_sm80(fn, signature, constexprs):
     sig = dict(signature, **dict.fromkeys(constexprs, "constexpr"))
-    triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 80, 32))
+    return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 80, 32))
 """
 
 
 def compile_for_gpu(script: str, tmp_path: Path) -> None:
-    """Run ``script`` (which may call ``compile_sm80(fn, signature, constexprs)``) in a fresh,
-    non-interpreted process; fail with its stderr if it raises."""
+    """Run ``script`` (which may call ``compile_sm80(fn, signature, constexprs)``, returning the
+    compiled kernel) in a fresh, non-interpreted process; fail with its stderr if it raises."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", PRELUDE + script], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)

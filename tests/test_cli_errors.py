@@ -224,4 +224,7 @@ def test_start_on_a_gpu_that_is_not_there(capsys, hf_dir: Path, tmp_path: Path,
     monkeypatch.delenv("TRITON_INTERPRET")  # the suite runs Triton in its interpreter; a user does not
     assert main([*base, "--attention", "triton"]) == 1
     assert "--attention triton: the Triton attention backend runs on CUDA GPUs" in error_line(capsys.readouterr().err)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main([*base, "--attention", "triton", "--block-size", "64"]) == 1
+    assert "need a block size of 16 or 32, got 64; use --attention torch" in error_line(capsys.readouterr().err)
     assert not (tmp_path / "run" / "daemon.json").exists()

@@ -70,7 +70,7 @@ def test_triton_backend_matches_torch_backend(tmp_path: Path, model: str) -> Non
 
 def test_triton_backend_refuses_small_blocks(tmp_path: Path) -> None:
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "m", with_tokenizer=True)
-    with pytest.raises(ValueError, match="triton attention backend needs a block size of at least 16, got 8"):
+    with pytest.raises(ValueError, match="need a block size of 16 or 32, got 8; use --attention torch"):
         make_engine(model_dir, attention=TritonAttentionBackend(), num_blocks=8, block_size=8)
 
 
@@ -80,6 +80,12 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(make_attention_backend("triton", "cpu"), TritonAttentionBackend)  # TRITON_INTERPRET=1 here
     with pytest.raises(ValueError, match="one of auto, torch, triton"):
         make_attention_backend("flash", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
+    assert isinstance(make_attention_backend("auto", "cuda"), TorchAttentionBackend)  # with a warning
+    with pytest.raises(ValueError, match="compute capability 7.5 .* this one has 7.0"):
+        make_attention_backend("triton", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert isinstance(make_attention_backend("auto", "cuda"), TritonAttentionBackend)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="runs on CUDA GPUs"):
         make_attention_backend("triton", "cpu")

@@ -4,12 +4,15 @@ profile run that measures the activation peak (run here on the CPU)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from tiny_models import make_engine, make_hf_model, save_hf_model
 
+from llmd.daemon.engine import kv_budget
 from llmd.daemon.engine.engine import EngineConfig
-from llmd.daemon.engine.kv_budget import GPU_MARGIN_BYTES, gpu_kv_budget_bytes
+from llmd.daemon.engine.kv_budget import GPU_MARGIN_BYTES, gpu_kv_budget_bytes, measure_gpu_kv_budget
 
 GIB = 1 << 30
 
@@ -50,4 +53,74 @@ def test_profile_run_leaves_no_trace(tmp_path: Path) -> None:
     engine.runner.profile_run(num_tokens=100, num_seqs=4)  # more tokens than the 8-block pool holds
     assert engine.runner.kv_caches is caches
     assert all(k.equal(k0) and v.equal(v0) for (k, v), (k0, v0) in zip(caches, before))
-    assert engine.kv.usage.num_used == 0 and not engine.requests
+
+
+class FakeCuda:
+    """The torch.cuda calls measure_gpu_kv_budget makes, on a made-up 8 GiB card: 2 GiB of weights,
+    a 1 GiB activation peak during the profile run, 1 GiB held by another process."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.reserved = 2 * GIB + (512 << 20)  # weights, plus 512 MiB the loader left cached
+        self.peak = self.reserved
+
+    def synchronize(self, device=None) -> None:
+        self.calls.append("synchronize")
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+        self.reserved = 2 * GIB
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.calls.append("reset_peak")
+        self.peak = self.reserved
+
+    def max_memory_reserved(self, device=None) -> int:
+        return self.peak
+
+    def memory_reserved(self, device=None) -> int:
+        return self.reserved
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        self.calls.append("mem_get_info")
+        return 8 * GIB - GIB - self.reserved, 8 * GIB
+
+    def profile(self, num_tokens: int, num_seqs: int) -> None:
+        self.calls.append(f"profile {num_tokens} {num_seqs}")
+        self.reserved = self.peak = 3 * GIB
+
+
+def fake_runner(cuda: FakeCuda, backend: str = "triton") -> SimpleNamespace:
+    model = SimpleNamespace(attn_backend=SimpleNamespace(name=backend))
+    return SimpleNamespace(device=torch.device("cuda"), model=model, profile_run=cuda.profile)
+
+
+def test_measure_gpu_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = FakeCuda()
+    monkeypatch.setattr(kv_budget.torch, "cuda", cuda)
+    budget = measure_gpu_kv_budget(fake_runner(cuda), None, 512, 64, 0.8)
+    # the loader's cached blocks are released before the peak is reset, so they do not count as
+    # activations; the activations' blocks are released before the free memory is read
+    assert cuda.calls == ["synchronize", "empty_cache", "reset_peak", "profile 512 64", "synchronize",
+                          "empty_cache", "mem_get_info"]
+    free = 8 * GIB - GIB - 2 * GIB
+    assert budget == min(int(0.8 * 8 * GIB) - 3 * GIB, free - GIB - GPU_MARGIN_BYTES)
+
+
+def test_measure_gpu_budget_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = FakeCuda()
+    monkeypatch.setattr(kv_budget.torch, "cuda", cuda)
+    assert measure_gpu_kv_budget(fake_runner(cuda), 1024, 512, 64, 0.8) == 1024 << 20  # fits: no profile run
+    with pytest.raises(ValueError, match="--kv-cache-mb 8000 does not fit"):
+        measure_gpu_kv_budget(fake_runner(cuda), 8000, 512, 64, 0.8)
+    with pytest.raises(ValueError, match="torch attention backend cannot size the KV cache itself; give --kv-cache-mb"):
+        measure_gpu_kv_budget(fake_runner(cuda, "torch"), None, 512, 64, 0.8)
+    assert not any(call.startswith("profile") for call in cuda.calls)
+
+    def out_of_memory(num_tokens: int, num_seqs: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    runner = fake_runner(cuda)
+    runner.profile_run = out_of_memory
+    with pytest.raises(ValueError, match="--max-batched-tokens 512 does not fit in GPU memory"):
+        measure_gpu_kv_budget(runner, None, 512, 64, 0.8)

@@ -90,9 +90,9 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings)
-        if config.block_size < model.attn_backend.min_block_size:
-            raise ValueError(f"the {model.attn_backend.name} attention backend needs a block size of at least "
-                             f"{model.attn_backend.min_block_size}, got {config.block_size}")
+        backend = model.attn_backend
+        if reason := backend.unsupported(config.block_size, model.config.head_dim, model.dtype):
+            raise ValueError(f"{reason}; use --attention torch")
         self.runner = ModelRunner(model, config.block_size)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
         self.runner.allocate_kv_cache(self.num_blocks)
@@ -105,9 +105,9 @@ class LLMEngine:
 
     def _blocks_for_budget(self) -> int:
         cfg = self.config
-        if self.runner.device.type == "cuda" and cfg.kv_cache_mb is None:
-            budget = measure_gpu_kv_budget(self.runner, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                           cfg.gpu_memory_fraction)
+        if self.runner.device.type == "cuda":
+            budget = measure_gpu_kv_budget(self.runner, cfg.kv_cache_mb, cfg.max_num_batched_tokens,
+                                           cfg.max_num_seqs, cfg.gpu_memory_fraction)
         else:
             budget = cpu_kv_budget_bytes(cfg.kv_cache_mb)
         per_block = kv_block_bytes(self.model, cfg.block_size, self.model.dtype)

@@ -2,7 +2,8 @@
 
 CPU: ``--kv-cache-mb``, or 1 GiB capped at a quarter of the available RAM (the desktop keeps the rest).
 
-CUDA: after the weights are loaded, the model runner runs the largest step the scheduler can make
+CUDA: ``--kv-cache-mb`` if given, checked against the free memory. Otherwise, after the weights are
+loaded, the model runner runs the largest step the scheduler can make
 (:meth:`ModelRunner.profile_run`) to measure the activation peak; then the pool takes what is left of
 ``gpu_memory_fraction`` of the card, and never more than what is free right now (the desktop and other
 processes hold the rest), minus a margin for allocations torch does not see (cuBLAS workspaces,
@@ -12,8 +13,12 @@ Triton's compiled kernels, fragmentation). vLLM sizes its pool the same way.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from llmd.daemon.engine.model_runner import ModelRunner
 
 DEFAULT_CPU_KV_CACHE_MB = 1024
 GPU_MARGIN_BYTES = 256 << 20
@@ -58,13 +63,36 @@ def gpu_kv_budget_bytes(total: int, free: int, peak_reserved: int, reserved: int
     return budget
 
 
-def measure_gpu_kv_budget(runner, max_num_batched_tokens: int, max_num_seqs: int, fraction: float) -> int:
-    """Profile the largest step on the runner's GPU and return :func:`gpu_kv_budget_bytes`."""
+def measure_gpu_kv_budget(runner: ModelRunner, kv_cache_mb: int | None, max_num_batched_tokens: int,
+                          max_num_seqs: int, fraction: float) -> int:
+    """The KV pool's bytes on the runner's GPU: ``kv_cache_mb`` if given (checked against the free
+    memory), else profile the largest step and return :func:`gpu_kv_budget_bytes`.
+
+    Raises:
+        ValueError: it does not fit, or cannot be sized; the message says what to change.
+    """
     device = runner.device
+    mib = 1 << 20
+    if kv_cache_mb is not None:
+        free, _ = torch.cuda.mem_get_info(device)
+        if (kv_cache_mb << 20) > free - GPU_MARGIN_BYTES:
+            raise ValueError(f"--kv-cache-mb {kv_cache_mb} does not fit: {free // mib} MiB of GPU memory are free "
+                             f"and {GPU_MARGIN_BYTES // mib} MiB stay spare; lower it")
+        return kv_cache_mb << 20
+    if runner.model.attn_backend.name == "torch":
+        # Its decode copies every sequence's whole context out of the cache, so its activation
+        # memory grows with the context: one profiled step cannot bound it.
+        raise ValueError("on a GPU the torch attention backend cannot size the KV cache itself; give "
+                         "--kv-cache-mb, or install triton (pip install triton) for the Triton kernels")
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # blocks the loader left cached are not activations
     torch.cuda.reset_peak_memory_stats(device)
-    runner.profile_run(max_num_batched_tokens, max_num_seqs)
-    torch.cuda.synchronize(device)
+    try:
+        runner.profile_run(max_num_batched_tokens, max_num_seqs)
+        torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError:
+        raise ValueError(f"a step of --max-batched-tokens {max_num_batched_tokens} does not fit in GPU memory "
+                         "next to the weights; lower --max-batched-tokens or choose --quant int4") from None
     peak = torch.cuda.max_memory_reserved(device)
     torch.cuda.empty_cache()  # hand the activations' cached blocks back; the pool may need them
     free, total = torch.cuda.mem_get_info(device)
