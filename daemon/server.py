@@ -10,6 +10,7 @@ unreachable), whereupon its requests are aborted and their KV blocks freed.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import signal
@@ -65,6 +66,7 @@ class _Live:
     parent: str
     stream: bool
     num_prompt_tokens: int
+    public_id: str  # how the stats stream names it (request ids are private to their client)
     text: list[str] = field(default_factory=list)  # collected for stream=False
     token_ids: list[int] = field(default_factory=list)
 
@@ -117,6 +119,9 @@ class Server:
         self._consecutive_failures = 0
         self._last_stats = 0.0
         self._num_steps = 0
+        self._public_ids = itertools.count(1)
+        self._owners: dict[bytes, int] = {}  # client -> its number in the stats stream
+        self._owner_numbers = itertools.count(1)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -271,8 +276,12 @@ class Server:
             raise ProtocolError(ErrorCode.TOO_LONG, str(e)) from None
         except (RequestError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
-        self.live[key] = _Live(identity, rid, msg.msg_id, stream, len(ids))
-        self._reply(identity, "accepted", {"request_id": rid, "prompt_tokens": len(ids)}, msg.msg_id)
+        live = _Live(identity, rid, msg.msg_id, stream, len(ids), f"r{next(self._public_ids)}")
+        self.live[key] = live
+        if identity not in self._owners:
+            self._owners[identity] = next(self._owner_numbers)
+        self._reply(identity, "accepted", {"request_id": rid, "prompt_tokens": len(ids), "id": live.public_id},
+                    msg.msg_id)
 
     # ---- engine ----------------------------------------------------------------------------------
 
@@ -420,12 +429,28 @@ class Server:
                 "max_model_len": self.engine.max_model_len, "block_size": self.engine.config.block_size,
                 "num_blocks": self.engine.num_blocks, "max_queue_len": self.config.max_queue_len}
 
+    def _live_view(self) -> dict[str, Any]:
+        """The block map and request table of the published stats (docs/protocol.md)."""
+        blocks, rows = self.engine.live_view()
+        active = {live.identity for live in self.live.values()}
+        self._owners = {i: n for i, n in self._owners.items() if i in active}
+        requests = []
+        for row in rows:
+            live = self.live.get(row.request_id)
+            entry = row.to_dict()
+            entry["id"] = live.public_id if live else "?"
+            entry["owner"] = self._owners.get(live.identity, 0) if live else 0
+            del entry["request_id"]  # the client's own id, private to it
+            requests.append(entry)
+        return {"block_map": blocks, "requests": requests}
+
     def _publish_stats(self) -> None:
         now = time.monotonic()
         if now - self._last_stats < self.config.stats_interval_s:
             return
         self._last_stats = now
         try:
-            self.pub.send_multipart([b"stats", *encode(self.key, "stats", self._stats())], zmq.NOBLOCK)
+            content = {**self._stats(), **self._live_view()}
+            self.pub.send_multipart([b"stats", *encode(self.key, "stats", content)], zmq.NOBLOCK)
         except zmq.Again:
             pass

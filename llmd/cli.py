@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llmd import __version__
@@ -124,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit (default: 60)")
     stop.set_defaults(func=cmd_stop)
 
+    chat = sub.add_parser("chat", help="chat with the daemon in a terminal UI, next to a live view of the engine",
+                          description="A terminal chat with the running daemon, and a dashboard of what the "
+                                      "engine is doing: KV blocks, throughput, requests. Keys: F1.")
+    chat.add_argument("--start", action="store_true",
+                      help="start the daemon (on --model, default SmolLM2-135M) if none is running, without asking")
+    chat.add_argument("--model", "-m", default=None, help="the model --start loads (default: SmolLM2-135M)")
+    chat.add_argument("--socket-dir", default=None, help="the daemon's runtime directory (default: per user)")
+    chat.set_defaults(func=cmd_chat)
+
     status = sub.add_parser("status", help="is the daemon running, and how busy is it")
     status.add_argument("--socket-dir", default=None)
     status.add_argument("--json", action="store_true", help="print one JSON object")
@@ -228,7 +237,33 @@ def cmd_start(args: argparse.Namespace) -> int:
     return _start_background(args)
 
 
-def _start_background(args: argparse.Namespace) -> int:
+def cmd_chat(args: argparse.Namespace) -> int:
+    from llmd.paths import read_connection_file, runtime_dir
+
+    run_dir = runtime_dir(args.socket_dir)
+    connection = read_connection_file(run_dir)
+    if connection is None:
+        if not args.start:
+            if not sys.stdin.isatty():
+                raise LlmdError("no llmd daemon is running; start one with `llmd start`, or run `llmd chat --start`")
+            answer = input("llmd: no daemon is running. Start one now"
+                           f"{' on ' + args.model if args.model else ' on the default model'}? [Y/n] ")
+            if answer.strip().lower() not in ("", "y", "yes"):
+                return 1
+        start = ["start", "--socket-dir", str(run_dir)] + (["--model", args.model] if args.model else [])
+        _start_background(build_parser().parse_args(start), progress=lambda line: print(f"  {line}", flush=True))
+        connection = read_connection_file(run_dir)
+        if connection is None:
+            raise LlmdError("the daemon started but its connection file is gone; see `llmd status`")
+    from llmd.tui.app import run_chat
+
+    run_chat(connection)
+    return 0
+
+
+def _start_background(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
+    """Start the daemon as a detached process and wait until it answers; ``progress`` gets the
+    lines it logs meanwhile (model loading)."""
     import subprocess
     import time
 
@@ -252,6 +287,7 @@ def _start_background(args: argparse.Namespace) -> int:
     if not args.prefix_cache:
         argv.append("--no-prefix-cache")
     log_path = log_file()
+    log_start = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log_out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
@@ -270,6 +306,8 @@ def _start_background(args: argparse.Namespace) -> int:
                 break
         except DaemonNotRunningError:
             pass
+        if progress is not None:
+            log_start = _follow_log(log_path, log_start, progress)
         time.sleep(0.2)
     else:
         raise LlmdError(f"the daemon did not come up within 10 minutes (log: {log_path})")
@@ -277,6 +315,23 @@ def _start_background(args: argparse.Namespace) -> int:
           f"quantisation {info['quantization']}, KV cache {info['num_blocks']} blocks x {info['block_size']} tokens; "
           f"log: {log_path}")
     return 0
+
+
+def _follow_log(path: Path, offset: int, emit: Callable[[str], None]) -> int:
+    """Hand the complete lines written to ``path`` after ``offset`` to ``emit``; returns the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return offset
+    end = data.rfind(b"\n") + 1
+    for raw in data[:end].splitlines():
+        # progress bars rewrite their line with \r: show the latest state only
+        line = raw.decode(errors="replace").rsplit("\r", 1)[-1].strip()
+        if line:
+            emit(line)
+    return offset + end
 
 
 def _weight_memory_line(info: dict) -> str:

@@ -16,7 +16,7 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ class ServerError(LlmdError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{message} ({code})")
         self.code = code
+        self.message = message
 
 
 @dataclass(slots=True)
@@ -371,8 +372,11 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                        token_ids: list[int] | None = None, request_id: str | None = None,
+                       on_accepted: Callable[[dict[str, Any]], None] | None = None,
                        **params: Any) -> AsyncIterator[Delta | Result]:
-        """Async iterator of :class:`Delta`, ending with one :class:`Result`. Leaving early cancels."""
+        """Async iterator of :class:`Delta`, ending with one :class:`Result`. Leaving early cancels
+        (close the iterator, ``aclose()``, to cancel at once). ``on_accepted`` gets the daemon's
+        ``accepted`` reply (its ``id`` names the request in the published stats)."""
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
         self._last_heard = time.monotonic()
         await self._send("generate", _generate_content(rid, prompt, messages, token_ids, True, params))
@@ -381,8 +385,10 @@ class AsyncClient:
         text: list[str] = []
         tokens: list[int] = []
         try:
-            _check(await self._wait(key))
+            reply = _check(await self._wait(key))
             accepted = True
+            if on_accepted is not None:
+                on_accepted(reply.content)
             while not done:
                 msg = _check(await self._wait(key))
                 if msg.type == "delta":

@@ -73,5 +73,13 @@ def state_dir() -> Path:
     return path
 
 
+def data_dir() -> Path:
+    """``$XDG_DATA_HOME/llmd`` (default ``~/.local/share/llmd``), for saved chats."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    path = Path(base) / "llmd"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
 def log_file() -> Path:
     return state_dir() / "llmd.log"

@@ -13,6 +13,7 @@ from typing import Any
 from llmd.daemon.engine.detokenizer import RequestDetokenizer
 from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
+from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
 from llmd.daemon.engine.model_runner import ModelRunner, kv_block_bytes
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
@@ -205,6 +206,12 @@ class LLMEngine:
             del self.requests[seq.request_id]
             self.runner.release(seq.request_id)
         return delta
+
+    def live_view(self, max_rows: int = 64) -> tuple[bytes, list[RequestRow]]:
+        """The KV block map and the request rows it refers to (daemon/engine/live_view.py)."""
+        running, waiting = self.scheduler.running, list(self.scheduler.waiting)
+        rows = request_rows(running, waiting, max(max_rows, min(len(running), MAX_OWNER_ROWS)))
+        return block_map(self.kv.pool, running), rows
 
     def stats(self) -> EngineStats:
         usage = self.kv.usage
