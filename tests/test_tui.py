@@ -185,10 +185,12 @@ async def test_dashboard_shows_blocks_and_requests(tmp_path: Path) -> None:
         own_cells = [span for span in rendered.spans if str(span.style) == OWN]
         assert sum(span.end - span.start for span in own_cells) >= 6  # our 6 blocks (plus the legend's cell)
         assert cell_style(BLOCK_FIRST_OWNER, kv.own) != OWN
-        table = app.query_one("#requests")
-        assert table.row_count == 2
-        assert [str(c) for c in table.get_row_at(1)][:3] == ["r1 (you)", "1", "running"]
-        assert "decode    42.0 tok/s" in str(app.query_one("#throughput-line").render())
+        table = app.query_one("#requests").render().plain.splitlines()
+        assert table[0].split() == ["id", "owner", "state", "prompt", "cached", "out", "tok/s", "TTFT"]
+        assert table[1].split() == ["r7", "2", "running", "20", "16", "3", "31.5", "0.12s"]
+        assert table[2].split()[:3] == ["r1*", "1", "running"] and table[3] == "* this chat"
+        assert "decode    42.0 tok/s  ·  prefill    84.0 tok/s" in str(app.query_one("#throughput-line").render())
+        assert list(app.query_one("#decode-spark").data)[-1] == 42.0
 
 
 def test_conversation_files_round_trip_and_bad_files(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 from textual import work
@@ -24,20 +25,21 @@ from llmd.tui.conversation import Conversation, ConversationStore
 from llmd.tui.dashboard import Dashboard
 from llmd.tui.screens import ChatsScreen, HelpScreen, SettingsScreen
 
-WIDE = 120  # columns from which the dashboard sits beside the chat; below, Ctrl+D swaps them
+WIDE = 120  # columns from which the dashboard sits beside the chat; below, F2 swaps them
 STATS_SILENCE_S = 3.0  # the daemon publishes stats 4 times a second, busy or idle
 
 
 class ChatApp(App[None]):
-    CSS_PATH = "llmd.tcss"
+    CSS_PATH = Path(__file__).with_name("llmd.tcss")  # absolute: subclasses elsewhere find it too
     TITLE = "llmd chat"
     BINDINGS = [
         Binding("escape", "cancel", "stop answer"),
         Binding("ctrl+n", "new_chat", "new chat"),
         Binding("ctrl+o", "open_chat", "open"),
         Binding("ctrl+s", "settings", "settings"),
-        Binding("ctrl+y", "copy_answer", "copy answer"),
-        Binding("ctrl+d", "toggle_dashboard", "dashboard"),
+        # F2/F3, not Ctrl+D/Ctrl+Y: the prompt (a TextArea) uses those for delete and redo
+        Binding("f2", "toggle_dashboard", "dashboard"),
+        Binding("f3", "copy_answer", "copy answer"),
         Binding("f1", "help", "help"),
         Binding("ctrl+q", "quit", "quit", priority=True),
     ]

@@ -63,10 +63,18 @@ class KVMap(Widget):
             text.append("no KV cache data yet", style="dim")
             return text
         per_cell = -(-n // (width * rows))
-        cells = [group_state(states[i:i + per_cell], self.own) for i in range(0, n, per_cell)]
+        if per_cell == 1:
+            cells = states
+        else:
+            cells = bytes(group_state(states[i:i + per_cell], self.own) for i in range(0, n, per_cell))
         for start in range(0, len(cells), width):
-            for state in cells[start:start + width]:
-                text.append(CELL, style=cell_style(state, self.own))
+            line = cells[start:start + width]
+            # one span per run of equal cells: a mostly free pool is a few spans, not thousands
+            run_start = 0
+            for i in range(1, len(line) + 1):
+                if i == len(line) or line[i] != line[run_start]:
+                    text.append(CELL * (i - run_start), style=cell_style(line[run_start], self.own))
+                    run_start = i
             text.append("\n")
         cached = states.count(BLOCK_CACHED)
         used = n - cached - states.count(BLOCK_FREE)

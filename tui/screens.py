@@ -19,8 +19,8 @@ KEYS = [
     ("Ctrl+N", "new chat"),
     ("Ctrl+O", "open a saved chat"),
     ("Ctrl+S", "settings: system prompt, temperature, top-p, max tokens"),
-    ("Ctrl+Y", "copy the last answer"),
-    ("Ctrl+D", "show or hide the engine dashboard"),
+    ("F2", "dashboard: beside the chat when the terminal is 120+ wide, else swap with the chat"),
+    ("F3", "copy the last answer"),
     ("F1", "this help"),
     ("Ctrl+Q", "quit"),
 ]
