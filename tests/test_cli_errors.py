@@ -228,3 +228,10 @@ def test_start_on_a_gpu_that_is_not_there(capsys, hf_dir: Path, tmp_path: Path,
     assert main([*base, "--attention", "triton", "--block-size", "64"]) == 1
     assert "need a block size of 16 or 32, got 64; use --attention torch" in error_line(capsys.readouterr().err)
     assert not (tmp_path / "run" / "daemon.json").exists()
+
+
+def test_chat_without_a_daemon(capsys, tmp_path: Path) -> None:
+    # not a terminal (pytest's stdin): no question asked, one line saying what to do
+    assert main(["chat", "--socket-dir", str(tmp_path / "run")]) == 1
+    assert "no llmd daemon is running; start one with `llmd start`, or run `llmd chat --start`" in \
+        error_line(capsys.readouterr().err)

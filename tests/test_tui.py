@@ -56,6 +56,8 @@ async def test_send_streams_the_answer_and_saves(tmp_path: Path) -> None:
         assert sent["params"] == ChatSettings().params()
         saved = ConversationStore(tmp_path / "chats").list()
         assert len(saved) == 1 and saved[0].messages[-1]["content"] == "Paris is the **capital** of France."
+        await pilot.press("f3")  # copy the last answer
+        assert app.clipboard == "Paris is the **capital** of France."
 
 
 @pytest.mark.asyncio

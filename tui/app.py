@@ -89,8 +89,10 @@ class ChatApp(App[None]):
             return
         self.daemon_gone = gone
         banner = self.query_one("#banner", Static)
-        banner.update("The llmd daemon is not responding: it stopped or is stuck. Start it with `llmd start`; "
-                      "this window reconnects by itself." if gone else "")
+        # NOTE: a paused or busy daemon comes back on its own; a restarted one has a new signing
+        # key, which this window does not pick up (yet): say so rather than promise a reconnect.
+        banner.update("The llmd daemon is not responding: it stopped or is stuck. If it stopped, start it with "
+                      "`llmd start` and reopen `llmd chat` (your chats are saved)." if gone else "")
         banner.set_class(gone, "-shown")
 
     # ---- workers ---------------------------------------------------------------------------------

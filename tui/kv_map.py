@@ -14,8 +14,9 @@ REQUEST_COLOURS = ("#5f87d7", "#d7875f", "#87af5f", "#af5faf", "#5fafaf", "#d7af
 OWN = "bold #ffffff on #005fd7"
 SHARED = "#ffd75f"
 CACHED = "#5f8787"
-FREE = "#3a3a3a"
-CELL = "■"
+FREE = "#585858"
+# A glyph per kind as well as a colour, so the map reads on a monochrome terminal (and in text captures).
+FREE_CELL, CACHED_CELL, SHARED_CELL, REQUEST_CELL, OWN_CELL = "·", "□", "▣", "■", "█"
 LEGEND_LINES = 2  # counts and legend under the map
 
 
@@ -28,6 +29,14 @@ def group_state(states: bytes, own: frozenset[int]) -> int:
         if r > rank:
             best, rank = s, r
     return best
+
+
+def cell_glyph(state: int, own: frozenset[int]) -> str:
+    if state in own:
+        return OWN_CELL
+    if state >= BLOCK_FIRST_OWNER:
+        return REQUEST_CELL
+    return {BLOCK_SHARED: SHARED_CELL, BLOCK_CACHED: CACHED_CELL}.get(state, FREE_CELL)
 
 
 def cell_style(state: int, own: frozenset[int]) -> str:
@@ -73,15 +82,17 @@ class KVMap(Widget):
             run_start = 0
             for i in range(1, len(line) + 1):
                 if i == len(line) or line[i] != line[run_start]:
-                    text.append(CELL * (i - run_start), style=cell_style(line[run_start], self.own))
+                    state = line[run_start]
+                    text.append(cell_glyph(state, self.own) * (i - run_start), style=cell_style(state, self.own))
                     run_start = i
             text.append("\n")
         cached = states.count(BLOCK_CACHED)
         used = n - cached - states.count(BLOCK_FREE)
         group = f" · 1 cell = {per_cell} blocks" if per_cell > 1 else ""
         text.append(f"{used} used · {cached} cached · {n - used - cached} free · {100 * used / n:.1f}% in use{group}\n")
-        for label, style in (("yours", OWN), ("running", REQUEST_COLOURS[0]), ("shared", SHARED),
-                             ("cached", CACHED), ("free", FREE)):
-            text.append(CELL, style=style)
+        for label, glyph, style in (("yours", OWN_CELL, OWN), ("other requests", REQUEST_CELL, REQUEST_COLOURS[0]),
+                                    ("shared", SHARED_CELL, SHARED), ("cached", CACHED_CELL, CACHED),
+                                    ("free", FREE_CELL, FREE)):
+            text.append(glyph, style=style)
             text.append(f" {label}  ")
         return text
