@@ -240,15 +240,23 @@ def cmd_start(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from llmd.paths import read_connection_file, runtime_dir
 
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise LlmdError("llmd chat needs a terminal; for one answer without it use `llmd generate PROMPT`")
     run_dir = runtime_dir(args.socket_dir)
     connection = read_connection_file(run_dir)
+    if connection is not None and args.model:
+        print(f"llmd: a daemon already serves {connection.get('model')}; --model is ignored "
+              "(`llmd stop` it first to switch)", file=sys.stderr)
     if connection is None:
         if not args.start:
-            if not sys.stdin.isatty():
-                raise LlmdError("no llmd daemon is running; start one with `llmd start`, or run `llmd chat --start`")
-            answer = input("llmd: no daemon is running. Start one now"
-                           f"{' on ' + args.model if args.model else ' on the default model'}? [Y/n] ")
+            try:
+                answer = input("llmd: no daemon is running. Start one now"
+                               f"{' on ' + args.model if args.model else ' on the default model'}? [Y/n] ")
+            except EOFError:
+                answer = "n"
             if answer.strip().lower() not in ("", "y", "yes"):
+                print("llmd: not started; `llmd start` starts it, `llmd chat --start` starts it and opens the chat",
+                      file=sys.stderr)
                 return 1
         start = ["start", "--socket-dir", str(run_dir)] + (["--model", args.model] if args.model else [])
         _start_background(build_parser().parse_args(start), progress=lambda line: print(f"  {line}", flush=True))
@@ -257,8 +265,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             raise LlmdError("the daemon started but its connection file is gone; see `llmd status`")
     from llmd.tui.app import run_chat
 
-    run_chat(connection)
-    return 0
+    code = run_chat(connection)
+    print("llmd: the daemon keeps running for other clients; `llmd stop` stops it", file=sys.stderr)
+    return code
 
 
 def _start_background(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:

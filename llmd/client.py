@@ -381,16 +381,19 @@ class AsyncClient:
         self._last_heard = time.monotonic()
         await self._send("generate", _generate_content(rid, prompt, messages, token_ids, True, params))
         key = f"req:{rid}"
-        done = accepted = False
+        ended = False  # the daemon sent this request's done or error: nothing to cancel
         text: list[str] = []
         tokens: list[int] = []
         try:
-            reply = _check(await self._wait(key))
-            accepted = True
+            reply = await self._wait(key)
+            ended = reply.type == "error"
+            _check(reply)
             if on_accepted is not None:
                 on_accepted(reply.content)
-            while not done:
-                msg = _check(await self._wait(key))
+            while not ended:
+                msg = await self._wait(key)
+                ended = msg.type in ("done", "error")
+                _check(msg)
                 if msg.type == "delta":
                     d = Delta(rid, msg.content.get("text", ""), msg.content.get("token_ids", []),
                               msg.content.get("logprobs"))
@@ -398,10 +401,12 @@ class AsyncClient:
                     tokens.extend(d.token_ids)
                     yield d
                 elif msg.type == "done":
-                    done = True
                     yield _result(rid, msg.content, "".join(text), tokens)
         finally:
-            if accepted and not done and not self.socket.closed:
+            # Left early, even before `accepted` arrived: cancel. The daemon reads one socket's
+            # messages in order, so it has seen the generate; a refused one answers the cancel
+            # with an error that lands in the discarded queue like the request's own leftovers.
+            if not ended and not self.socket.closed:
                 self._discard.add(key)  # its last messages are still on the way
                 try:
                     await self.cancel(rid)

@@ -230,8 +230,19 @@ def test_start_on_a_gpu_that_is_not_there(capsys, hf_dir: Path, tmp_path: Path,
     assert not (tmp_path / "run" / "daemon.json").exists()
 
 
-def test_chat_without_a_daemon(capsys, tmp_path: Path) -> None:
-    # not a terminal (pytest's stdin): no question asked, one line saying what to do
+def test_chat_without_a_daemon(capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # not a terminal: one line, whatever else
     assert main(["chat", "--socket-dir", str(tmp_path / "run")]) == 1
-    assert "no llmd daemon is running; start one with `llmd start`, or run `llmd chat --start`" in \
-        error_line(capsys.readouterr().err)
+    assert "llmd chat needs a terminal" in error_line(capsys.readouterr().err)
+    # a terminal, no daemon, the question answered "n" (or Ctrl+D): not started, says how
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    for answer in ("n", EOFError()):
+        def fake_input(prompt: str, answer=answer) -> str:
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        monkeypatch.setattr("builtins.input", fake_input)
+        assert main(["chat", "--socket-dir", str(tmp_path / "run")]) == 1
+        assert "not started; `llmd start` starts it" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "daemon.json").exists()

@@ -15,6 +15,7 @@ from llmd.daemon.engine.live_view import BLOCK_CACHED
 from llmd.tui.app import ChatApp
 from llmd.tui.chat_view import ChatMessage, PromptInput
 from llmd.tui.conversation import ChatSettings, ConversationStore
+from llmd.tui.dashboard import Dashboard
 from llmd.tui.kv_map import KVMap
 
 
@@ -40,6 +41,7 @@ async def test_chat_with_a_real_daemon(daemon, tmp_path: Path) -> None:
     async with NoEosClient(connection=daemon) as client:
         app = ChatApp(client, ConversationStore(tmp_path / "chats"))
         async with app.run_test(size=(160, 48)) as pilot:
+            app.query_one(Dashboard).redraw_interval_s = 0  # record every stats message, not twice a second
             kv_map = app.query_one(KVMap)
             shown: list[tuple[int, int]] = []  # per update of the map: (this chat's blocks, cached blocks)
             update = kv_map.update_map

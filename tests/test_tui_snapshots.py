@@ -12,6 +12,7 @@ from fake_chat_client import FakeClient, request_row, stats_message
 from llmd.daemon.engine.live_view import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_SHARED
 from llmd.tui.app import ChatApp
 from llmd.tui.conversation import Conversation, ConversationStore
+from llmd.tui.dashboard import Dashboard
 
 MESSAGES = [
     {"role": "user", "content": "What is the capital of France?"},
@@ -36,6 +37,7 @@ def make_app(tmp_path: Path) -> ChatApp:
 
 async def show_fixed_data(pilot) -> None:
     app = pilot.app
+    app.query_one(Dashboard).redraw_interval_s = 0  # draw each message now: the last one is what is shown
     await app._open(app.conversation)
     for i, decode in enumerate([0, 12, 40, 85, 120, 96, 130, 140, 138, 90]):
         app.client.stats.put_nowait(stats_message(BLOCK_MAP, ROWS, decode=float(decode)))

@@ -17,7 +17,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Static
-from textual.worker import Worker
+from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from llmd.client import DaemonNotRunningError, Result, ServerError
 from llmd.tui.chat_view import ChatView, PromptInput
@@ -32,15 +32,16 @@ STATS_SILENCE_S = 3.0  # the daemon publishes stats 4 times a second, busy or id
 class ChatApp(App[None]):
     CSS_PATH = Path(__file__).with_name("llmd.tcss")  # absolute: subclasses elsewhere find it too
     TITLE = "llmd chat"
+    # The footer lists these in order and an 80-column one shows the first six: help comes early.
     BINDINGS = [
-        Binding("escape", "cancel", "stop answer"),
-        Binding("ctrl+n", "new_chat", "new chat"),
+        Binding("escape", "cancel", "stop"),
+        Binding("f1", "help", "help"),
+        # F2/F3, not Ctrl+D/Ctrl+Y: the prompt (a TextArea) uses those for delete and redo
+        Binding("f2", "toggle_dashboard", "engine"),
+        Binding("ctrl+n", "new_chat", "new"),
         Binding("ctrl+o", "open_chat", "open"),
         Binding("ctrl+s", "settings", "settings"),
-        # F2/F3, not Ctrl+D/Ctrl+Y: the prompt (a TextArea) uses those for delete and redo
-        Binding("f2", "toggle_dashboard", "dashboard"),
-        Binding("f3", "copy_answer", "copy answer"),
-        Binding("f1", "help", "help"),
+        Binding("f3", "copy_answer", "copy"),
         Binding("ctrl+q", "quit", "quit", priority=True),
     ]
 
@@ -55,6 +56,7 @@ class ChatApp(App[None]):
         self.daemon_gone = False
         self.last_stats: dict[str, Any] = {}
         self._last_stats_at = 0.0
+        self._have_info = False
 
     # ---- layout ----------------------------------------------------------------------------------
 
@@ -70,13 +72,8 @@ class ChatApp(App[None]):
         self.query_one(PromptInput).focus()
         self._last_stats_at = time.monotonic()
         self.follow_stats()
+        self.fetch_info()
         self.set_interval(min(0.5, self.stats_silence_s / 2), self._check_silence)
-        try:
-            info = await asyncio.wait_for(self.client.info(), timeout=5)
-            self.query_one(Dashboard).set_info(info)
-            self.sub_title = str(info.get("model", ""))
-        except (DaemonNotRunningError, ServerError, asyncio.TimeoutError):
-            self._set_daemon_gone(True)
 
     def on_resize(self, event: Any) -> None:
         self._apply_width(event.size.width)
@@ -89,13 +86,25 @@ class ChatApp(App[None]):
             return
         self.daemon_gone = gone
         banner = self.query_one("#banner", Static)
-        # NOTE: a paused or busy daemon comes back on its own; a restarted one has a new signing
-        # key, which this window does not pick up (yet): say so rather than promise a reconnect.
-        banner.update("The llmd daemon is not responding: it stopped or is stuck. If it stopped, start it with "
-                      "`llmd start` and reopen `llmd chat` (your chats are saved)." if gone else "")
+        # NOTE: a busy daemon (one long step) comes back on its own; a restarted one has a new
+        # signing key, which this window does not pick up (yet): say so rather than promise a reconnect.
+        banner.update(f"No word from the llmd daemon for {self.stats_silence_s:g}s: busy with a long step, stopped "
+                      "or stuck. If it stopped, start it (`llmd start`) and reopen `llmd chat`; chats are saved."
+                      if gone else "")
         banner.set_class(gone, "-shown")
 
     # ---- workers ---------------------------------------------------------------------------------
+
+    @work(exclusive=True, group="info")
+    async def fetch_info(self) -> None:
+        """The model line; in a worker, as a daemon that does not answer must not freeze the UI."""
+        try:
+            info = await asyncio.wait_for(self.client.info(), timeout=5)
+        except (DaemonNotRunningError, ServerError, asyncio.TimeoutError):
+            return  # tried again when stats arrive
+        self._have_info = True
+        self.query_one(Dashboard).set_info(info)
+        self.sub_title = str(info.get("model", ""))
 
     @work(exclusive=True, group="stats")
     async def follow_stats(self) -> None:
@@ -106,13 +115,18 @@ class ChatApp(App[None]):
             self._set_daemon_gone(False)
             self.last_stats = stats
             self.query_one(Dashboard).update_stats(stats, self.own_ids)
+            if not self._have_info and not any(w.group == "info" and w.is_running for w in self.workers):
+                self.fetch_info()
 
     def _check_silence(self) -> None:
         if time.monotonic() - self._last_stats_at > self.stats_silence_s:
             self._set_daemon_gone(True)
 
     @work(exclusive=True, group="answer")
-    async def answer(self) -> None:
+    async def answer(self, conversation: Conversation, question: str) -> None:
+        """Stream the answer to ``question`` (the last turn of ``conversation``). Everything here uses
+        these two and its own message widget, never ``self.conversation``: the user may open another
+        chat while this one is being cancelled."""
         chat = self.query_one(ChatView)
         message = await chat.add("assistant")
         # NOTE: the Markdown stream starts at the first text: stopping one whose task never ran
@@ -120,19 +134,13 @@ class ChatApp(App[None]):
         stream = None
         text: list[str] = []
         status = ""
-        request = self.client.chat(self.conversation.request_messages(), **self.conversation.settings.params(),
+        request = self.client.chat(conversation.request_messages(), **conversation.settings.params(),
                                    on_accepted=lambda reply: self.own_ids.add(str(reply.get("id"))))
         chat.set_status("writing… (Escape stops)")
         try:
             async for item in request:
                 if isinstance(item, Result):
-                    t = item.timings or {}
-                    rate, ttft = t.get("decode_tokens_per_s"), t.get("ttft_s")
-                    status = (f"{item.usage.get('completion_tokens', 0)} tokens"
-                              + (f" · {rate:.1f} tok/s" if rate else "") + (f" · first token {ttft:.2f}s" if ttft else "")
-                              + (f" · {item.usage.get('cached_tokens', 0)} prompt tokens from the cache"
-                                 if item.usage.get("cached_tokens") else "")
-                              + (" · stopped at max tokens" if item.finish_reason == "length" else ""))
+                    status = describe_result(item)
                 elif item.text:
                     text.append(item.text)
                     stream = stream or chat.stream_into(message)
@@ -142,10 +150,10 @@ class ChatApp(App[None]):
             status = "stopped"
             raise
         except ServerError as e:
-            status = (f"This conversation no longer fits the model's context ({e.message}). Start a new chat "
-                      "with Ctrl+N, or lower max tokens in Ctrl+S." if e.code == "too_long" else f"error: {e.message}")
+            status = (f"This conversation no longer fits ({e.message}). Start a new chat with Ctrl+N, or lower "
+                      "max tokens in Ctrl+S." if e.code == "too_long" else f"the daemon refused: {e.message}")
         except DaemonNotRunningError:
-            status = "the daemon stopped answering; the partial answer is kept"
+            status = "the daemon stopped answering" + ("; the partial answer is kept" if text else "")
             self._set_daemon_gone(True)
         finally:
             await request.aclose()  # cancels the request in the daemon if it is still running
@@ -154,29 +162,47 @@ class ChatApp(App[None]):
             answer = "".join(text)
             message.text = answer
             if answer:
-                self.conversation.messages.append({"role": "assistant", "content": answer})
-            elif status and status != "stopped":
+                conversation.messages.append({"role": "assistant", "content": answer})
+            else:
+                # No answer: take the question back (into the prompt, if this chat is still shown),
+                # so the chat keeps alternating user/assistant turns, as chat templates require.
+                conversation.messages.pop()
                 await message.remove()
-                await chat.add("note", status)
-            self.store.save(self.conversation)
-            chat.set_status(status)
+                if conversation is self.conversation:
+                    await chat.drop_last("user")
+                    if not chat.prompt.text.strip():
+                        chat.prompt.text = question
+                    if status != "stopped":
+                        await chat.add("note", status)
+            self.store.save(conversation)
+            if conversation is self.conversation:
+                chat.set_status(status)
 
     # ---- events and actions ----------------------------------------------------------------------
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        chat = self.query_one(ChatView)
         if self.answer_worker is not None and self.answer_worker.is_running:
-            self.query_one(ChatView).set_status("an answer is still being written: Escape stops it")
+            chat.set_status("an answer is still being written: Escape stops it")
             return
+        if chat.prompt.text == event.text:  # (not if the user has typed on since)
+            chat.prompt.clear()
         self.conversation.messages.append({"role": "user", "content": event.text})
-        await self.query_one(ChatView).add("user", event.text)
-        self.answer_worker = self.answer()
+        await chat.add("user", event.text)
+        self.answer_worker = self.answer(self.conversation, event.text)
 
     def action_cancel(self) -> None:
         if self.answer_worker is not None and self.answer_worker.is_running:
             self.answer_worker.cancel()
 
     async def _open(self, conversation: Conversation) -> None:
-        self.action_cancel()
+        worker = self.answer_worker
+        if worker is not None and worker.is_running:
+            worker.cancel()
+            try:  # let its cleanup (save, take back an unanswered question) finish first
+                await worker.wait()
+            except (WorkerCancelled, WorkerFailed):
+                pass
         self.conversation = conversation
         await self.query_one(ChatView).show(conversation.messages)
         self.query_one(ChatView).set_status("")
@@ -187,7 +213,12 @@ class ChatApp(App[None]):
     def action_open_chat(self) -> None:
         async def opened(chat_id: str | None) -> None:
             if chat_id:
-                await self._open(self.store.load(chat_id))
+                try:
+                    conversation = self.store.load(chat_id)
+                except ValueError as e:  # removed or spoiled since the list was read
+                    self.notify(str(e), severity="error")
+                    return
+                await self._open(conversation)
         self.push_screen(ChatsScreen(self.store.list()), opened)
 
     def action_settings(self) -> None:
@@ -207,9 +238,21 @@ class ChatApp(App[None]):
 
     def action_toggle_dashboard(self) -> None:
         self.toggle_class("-dashboard")
+        if not (self.has_class("-narrow") and self.has_class("-dashboard")):
+            self.query_one(PromptInput).focus()  # the chat is visible (again): type into it
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+
+def describe_result(result: Result) -> str:
+    """The status line after an answer: tokens, speed, first-token time, prefix-cache use."""
+    t, usage = result.timings or {}, result.usage or {}
+    rate, ttft, cached = t.get("decode_tokens_per_s"), t.get("ttft_s"), usage.get("cached_tokens")
+    return (f"{usage.get('completion_tokens', 0)} tokens" + (f" · {rate:.1f} tok/s" if rate else "")
+            + (f" · first token {ttft:.2f}s" if ttft else "")
+            + (f" · {cached} prompt tokens from the cache" if cached else "")
+            + (" · stopped at max tokens" if result.finish_reason == "length" else ""))
 
 
 def default_store() -> ConversationStore:
@@ -218,12 +261,15 @@ def default_store() -> ConversationStore:
     return ConversationStore(data_dir() / "chats")
 
 
-def run_chat(connection: dict[str, Any], store: ConversationStore | None = None) -> None:
-    """Run the app against the daemon of ``connection`` (its client lives in the app's event loop)."""
+def run_chat(connection: dict[str, Any], store: ConversationStore | None = None) -> int:
+    """Run the app against the daemon of ``connection`` (its client lives in the app's event
+    loop); returns the app's exit code."""
     from llmd.client import AsyncClient
 
-    async def main() -> None:
+    async def main() -> int:
         async with AsyncClient(connection=connection) as client:
-            await ChatApp(client, store or default_store()).run_async()
+            app = ChatApp(client, store or default_store())
+            await app.run_async()
+            return app.return_code or 0
 
-    asyncio.run(main())
+    return asyncio.run(main())

@@ -21,7 +21,8 @@ class ChatMessage(Markdown):
 
 
 class PromptInput(TextArea):
-    """A multi-line prompt where Enter sends and Ctrl+J inserts a newline."""
+    """A multi-line prompt where Enter sends and Ctrl+J inserts a newline. It does not clear
+    itself: the app clears it once it takes the message (a refused send keeps the text)."""
 
     class Submitted(Message):
         def __init__(self, text: str) -> None:
@@ -34,7 +35,6 @@ class PromptInput(TextArea):
             event.prevent_default()
             if self.text.strip():
                 self.post_message(self.Submitted(self.text))
-                self.clear()
         elif event.key == "ctrl+j":
             event.stop()
             event.prevent_default()
@@ -52,6 +52,16 @@ class ChatView(Vertical):
     @property
     def messages(self) -> VerticalScroll:
         return self.query_one("#messages", VerticalScroll)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    async def drop_last(self, role: str) -> None:
+        """Remove the last message if it has this role."""
+        shown = self.query(ChatMessage)
+        if shown and shown.last().role == role:
+            await shown.last().remove()
 
     def set_status(self, text: str) -> None:
         self.query_one("#chat-status", Static).update(text)

@@ -73,9 +73,11 @@ class Conversation:
                     isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
                     for m in messages):
                 raise ValueError("messages must be a list of user/assistant turns")
+            updated = float(data["updated"])
+            if not 0 <= updated < 1e11:
+                raise ValueError(f"updated is not a time: {updated}")
             return cls(messages=[{"role": m["role"], "content": m["content"]} for m in messages],
-                       settings=ChatSettings(**data["settings"]), id=str(data["id"]),
-                       updated=float(data["updated"]))
+                       settings=ChatSettings(**data["settings"]), id=str(data["id"]), updated=updated)
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"not a saved chat: {e}") from None
 
@@ -95,14 +97,24 @@ class ConversationStore:
         os.replace(tmp, path)
 
     def load(self, chat_id: str) -> Conversation:
-        return Conversation.from_json((self.directory / f"{chat_id}.json").read_text(encoding="utf-8"))
+        """Raises ``ValueError`` if the file is gone or not a chat."""
+        return self._read(self.directory / f"{chat_id}.json")
+
+    @staticmethod
+    def _read(path: Path) -> Conversation:
+        try:
+            chat = Conversation.from_json(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ValueError(f"cannot read {path.name}: {e.strerror}") from None
+        chat.id = path.stem  # the file name wins: a copied or renamed file is its own chat
+        return chat
 
     def list(self) -> list[Conversation]:
         """Saved chats, newest first; files that are not chats are skipped."""
         chats = []
         for path in self.directory.glob("*.json"):
             try:
-                chats.append(Conversation.from_json(path.read_text(encoding="utf-8")))
-            except (OSError, ValueError):
+                chats.append(self._read(path))
+            except ValueError:
                 continue
         return sorted(chats, key=lambda c: c.updated, reverse=True)

@@ -59,6 +59,7 @@ class Dashboard(Vertical):
         super().__init__(**kwargs)
         self.prefill: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
         self.decode: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
+        self.redraw_interval_s = REDRAW_INTERVAL_S  # tests set 0: every message drawn at once
         self._latest: tuple[dict[str, Any], set[str]] = ({}, set())
         self._drawn_at = 0.0
         self._draw_scheduled = False
@@ -90,7 +91,7 @@ class Dashboard(Vertical):
         self.prefill.append(float(stats.get("prefill_tokens_per_s", 0.0)))
         self.decode.append(float(stats.get("decode_tokens_per_s", 0.0)))
         self._latest = (stats, own_ids)
-        wait = self._drawn_at + REDRAW_INTERVAL_S - time.monotonic()
+        wait = self._drawn_at + self.redraw_interval_s - time.monotonic()
         if wait <= 0:
             self._draw()
         elif not self._draw_scheduled:

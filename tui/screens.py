@@ -99,12 +99,14 @@ class ChatsScreen(ModalScreen[str | None]):
             yield Static("[b]Saved chats[/b] · Enter opens · Escape closes", classes="dialog-title")
             if not self.chats:
                 yield Static("No saved chats yet.", classes="dim")
+            # widget ids by position: chat ids are file names, which need not be valid widget ids
             items = [ListItem(Label(f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}  {c.title}"),
-                              id=f"chat-{c.id}") for c in self.chats]
+                              id=f"chat-{i}") for i, c in enumerate(self.chats)]
             yield ListView(*items, id="chat-list")
 
     def on_list_view_selected(self, event: ListView.Selected) -> None:
-        self.dismiss(event.item.id.removeprefix("chat-") if event.item.id else None)
+        index = int(event.item.id.removeprefix("chat-")) if event.item.id else -1
+        self.dismiss(self.chats[index].id if 0 <= index < len(self.chats) else None)
 
     def action_cancel(self) -> None:
         self.dismiss(None)
