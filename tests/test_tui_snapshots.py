@@ -38,6 +38,8 @@ def make_app(tmp_path: Path) -> ChatApp:
 async def show_fixed_data(pilot) -> None:
     app = pilot.app
     app.query_one(Dashboard).redraw_interval_s = 0  # draw each message now: the last one is what is shown
+    while not app._have_info:  # the model line is in; then _open resets the status line
+        await pilot.pause(0.01)
     await app._open(app.conversation)
     for i, decode in enumerate([0, 12, 40, 85, 120, 96, 130, 140, 138, 90]):
         app.client.stats.put_nowait(stats_message(BLOCK_MAP, ROWS, decode=float(decode)))

@@ -105,6 +105,9 @@ class ChatApp(App[None]):
         self._have_info = True
         self.query_one(Dashboard).set_info(info)
         self.sub_title = str(info.get("model", ""))
+        chat = self.query_one(ChatView)
+        if not chat.status:  # the model's name, also where the dashboard is hidden (80 columns)
+            chat.set_status(f"connected to {info.get('model', 'llmd')} · F1 keys · F2 engine")
 
     @work(exclusive=True, group="stats")
     async def follow_stats(self) -> None:

@@ -63,7 +63,10 @@ class ChatView(Vertical):
         if shown and shown.last().role == role:
             await shown.last().remove()
 
+    status: str = ""
+
     def set_status(self, text: str) -> None:
+        self.status = text
         self.query_one("#chat-status", Static).update(text)
 
     async def show(self, turns: list[dict[str, str]]) -> None:
