@@ -99,7 +99,8 @@ def main() -> None:
                 without.append(asyncio.run(run_clients(socket_dir, args.clients, args.max_tokens)))
                 ui = subprocess.Popen([sys.executable, "-c", HEADLESS_UI, str(socket_dir), str(Path(tmp) / "chats")],
                                       stdout=subprocess.PIPE, text=True)
-                assert ui.stdout.readline().strip() == "ready"
+                if ui.stdout.readline().strip() != "ready":
+                    raise RuntimeError("the headless chat UI did not start")
                 time.sleep(1.0)
                 cpu = psutil.Process(ui.pid)
                 before, start = sum(cpu.cpu_times()[:2]), time.perf_counter()
