@@ -450,7 +450,8 @@ class Server:
             return
         self._last_stats = now
         try:
-            content = {**self._stats(), **self._live_view()}
+            content = {**self._stats(), **self._live_view(),
+                       "num_blocks_used_peak": self.engine.take_peak_blocks_used()}
             self.pub.send_multipart([b"stats", *encode(self.key, "stats", content)], zmq.NOBLOCK)
         except zmq.Again:
             pass

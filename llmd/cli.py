@@ -133,6 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--socket-dir", default=None, help="the daemon's runtime directory (default: per user)")
     chat.set_defaults(func=cmd_chat)
 
+    bench = sub.add_parser("bench", help="measure the running daemon under load (throughput, latencies)",
+                           description="A load generator against the running daemon; prints a report. Lengths are "
+                                       "exact: prompts go as token ids, outputs ignore end-of-text.")
+    bench.add_argument("--workload", choices=["streams", "prefix", "poisson"], default="streams",
+                       help="streams: N at once; prefix: a shared system prompt + distinct questions; "
+                            "poisson: random arrivals at --rate (default: streams)")
+    bench.add_argument("--streams", "-n", type=_positive_int, default=16, help="concurrent requests (default: 16)")
+    bench.add_argument("--prompt-tokens", type=_positive_int, default=128, help="prompt length (default: 128)")
+    bench.add_argument("--output-tokens", type=_positive_int, default=128, help="output length (default: 128)")
+    bench.add_argument("--prefix-tokens", type=_positive_int, default=1000,
+                       help="shared system prompt of the prefix workload (default: 1000)")
+    bench.add_argument("--rate", type=float, default=4.0, help="poisson: requests per second (default: 4)")
+    bench.add_argument("--requests", type=_positive_int, default=32, help="poisson: how many (default: 32)")
+    bench.add_argument("--seed", type=int, default=0, help="random prompts and arrivals (default: 0)")
+    bench.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="goodput: time to first token")
+    bench.add_argument("--slo-itl", type=float, default=None, metavar="S", help="goodput: largest inter-token gap")
+    bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    bench.add_argument("--socket-dir", default=None, help="the daemon's runtime directory (default: per user)")
+    bench.set_defaults(func=cmd_bench)
+
     status = sub.add_parser("status", help="is the daemon running, and how busy is it")
     status.add_argument("--socket-dir", default=None)
     status.add_argument("--json", action="store_true", help="print one JSON object")
@@ -235,6 +255,26 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.foreground:
         return serve(opts)
     return _start_background(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from llmd.bench import BenchConfig, run_bench
+    from llmd.client import load_connection
+
+    try:
+        config = BenchConfig(workload=args.workload, num_streams=args.streams, prompt_tokens=args.prompt_tokens,
+                             output_tokens=args.output_tokens, prefix_tokens=args.prefix_tokens, rate=args.rate,
+                             num_requests=args.requests, seed=args.seed, slo_ttft=args.slo_ttft,
+                             slo_itl=args.slo_itl)
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
+    connection = load_connection(args.socket_dir)
+    report = asyncio.run(run_bench(connection, config, show_progress=sys.stderr.isatty()))
+    print(json.dumps(report.to_dict()) if args.json else report.table())
+    return 1 if report.num_failed else 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

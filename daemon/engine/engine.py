@@ -103,6 +103,7 @@ class LLMEngine:
         )
         self.requests: dict[str, _Request] = {}
         self.meter = ThroughputMeter()
+        self._peak_blocks_used = 0  # since take_peak_blocks_used() last ran
 
     def _blocks_for_budget(self) -> int:
         cfg = self.config
@@ -165,6 +166,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        # the step's blocks are all allocated now: the most this step holds
+        self._peak_blocks_used = max(self._peak_blocks_used, self.kv.pool.num_blocks - self.kv.pool.num_free_blocks)
         start = time.monotonic()
         num_prompt = sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
                          for seq, n in zip(batch.seqs, batch.num_new_tokens))
@@ -206,6 +209,14 @@ class LLMEngine:
             del self.requests[seq.request_id]
             self.runner.release(seq.request_id)
         return delta
+
+    def take_peak_blocks_used(self) -> int:
+        """The most KV blocks in use at any step since the last call (or now, if more), and reset:
+        a sampled `num_blocks_used` misses short bursts."""
+        pool = self.kv.pool
+        peak = max(self._peak_blocks_used, pool.num_blocks - pool.num_free_blocks)
+        self._peak_blocks_used = 0
+        return peak
 
     def live_view(self, max_rows: int = 64) -> tuple[bytes, list[RequestRow]]:
         """The KV block map and the request rows it refers to (daemon/engine/live_view.py)."""

@@ -1,0 +1,253 @@
+"""`llmd bench`: a load generator against the running daemon, and its report.
+
+Workloads (all with exact lengths: prompts are sent as token ids, outputs use ``ignore_eos``):
+
+* ``streams``: N requests at once, each ``--prompt-tokens`` in and ``--output-tokens`` out;
+* ``prefix``: a shared system prompt of K tokens plus a distinct question per request; one request
+  warms the prefix cache first (not counted), then N go at once;
+* ``poisson``: ``--requests`` arriving at ``--rate`` per second (exponential gaps), prompt and output
+  lengths drawn uniformly from half to one and a half times the given lengths; seeded.
+
+Every token's arrival time is recorded on the client, so TTFT, inter-token latency and end-to-end
+latency are what a client sees. The daemon's stats stream gives the peak KV usage (its
+`num_blocks_used_peak`, the most blocks any step held); its `stats` before and after give the
+preemptions. The prefix-cache hit rate is this run's: cached over prompt tokens of its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+WORKLOADS = ("streams", "prefix", "poisson")
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """What to run. Raises ``ValueError`` with the fix in the message."""
+
+    workload: str = "streams"
+    num_streams: int = 16
+    prompt_tokens: int = 128
+    output_tokens: int = 128
+    prefix_tokens: int = 1000
+    rate: float = 4.0
+    num_requests: int = 32
+    seed: int = 0
+    ignore_eos: bool = True
+    slo_ttft: float | None = None  # seconds
+    slo_itl: float | None = None  # seconds
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        for name in ("num_streams", "prompt_tokens", "output_tokens", "prefix_tokens", "num_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be a whole number >= 1, got {value!r}")
+        if not self.rate > 0:
+            raise ValueError(f"rate must be > 0 requests per second, got {self.rate!r}")
+        for name in ("slo_ttft", "slo_itl"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be > 0 seconds, got {value!r}")
+
+
+@dataclass(slots=True)
+class RequestPlan:
+    start_s: float  # offset from the start of the run
+    prompt: list[int]
+    output_tokens: int
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    sent: float
+    token_times: list[float] = field(default_factory=list)  # one per token received
+    end: float = 0.0
+    usage: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def plan(config: BenchConfig, vocab_ids: list[int]) -> tuple[list[RequestPlan], RequestPlan | None]:
+    """The requests of a run (and a warm-up request for ``prefix``). Prompts are drawn from
+    ``vocab_ids`` (ids the model's tokenizer produces), seeded."""
+    rng = random.Random(config.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.choice(vocab_ids) for _ in range(n)]
+
+    if config.workload == "streams":
+        return [RequestPlan(0.0, tokens(config.prompt_tokens), config.output_tokens)
+                for _ in range(config.num_streams)], None
+    if config.workload == "prefix":
+        shared = tokens(config.prefix_tokens)
+        warm = RequestPlan(0.0, shared + tokens(config.prompt_tokens), 1)
+        return [RequestPlan(0.0, shared + tokens(config.prompt_tokens), config.output_tokens)
+                for _ in range(config.num_streams)], warm
+    start, plans = 0.0, []
+    for _ in range(config.num_requests):
+        start += rng.expovariate(config.rate)
+        p = rng.randint(max(1, config.prompt_tokens // 2), config.prompt_tokens * 3 // 2)
+        o = rng.randint(max(1, config.output_tokens // 2), config.output_tokens * 3 // 2)
+        plans.append(RequestPlan(start, tokens(p), o))
+    return plans, None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+@dataclass(slots=True)
+class BenchReport:
+    workload: str
+    num_requests: int
+    num_failed: int
+    duration_s: float
+    request_throughput: float  # finished requests per second
+    output_tokens_per_s: float
+    output_tokens: int  # counted from the stream
+    output_tokens_reported: int  # the daemon's usage.completion_tokens, summed
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    prefix_cache_hit_rate: float  # cached / prompt tokens of this run
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    e2e_p50: float | None
+    e2e_p99: float | None
+    goodput: float | None  # requests per second meeting every SLO given; None without SLOs
+    peak_kv_usage: float  # the most KV blocks any step held during the run, as a share of the pool
+    preemptions: int
+    errors: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        def s(v: float | None, unit: str = "s") -> str:
+            return "-" if v is None else (f"{v * 1000:.0f} ms" if unit == "s" and v < 1 else f"{v:.2f} {unit}")
+
+        rows = [
+            ("workload", self.workload),
+            ("requests", f"{self.num_requests - self.num_failed} done, {self.num_failed} failed, "
+                         f"in {self.duration_s:.2f} s ({self.request_throughput:.2f} req/s)"),
+            ("output", f"{self.output_tokens} tokens, {self.output_tokens_per_s:.1f} tok/s"),
+            ("prompt", f"{self.prompt_tokens} tokens, {self.cached_prompt_tokens} from the prefix cache "
+                       f"({100 * self.prefix_cache_hit_rate:.1f}%)"),
+            ("TTFT", f"p50 {s(self.ttft_p50)}, p90 {s(self.ttft_p90)}, p99 {s(self.ttft_p99)}"),
+            ("inter-token", f"p50 {s(self.itl_p50)}, p99 {s(self.itl_p99)}"),
+            ("end to end", f"p50 {s(self.e2e_p50)}, p99 {s(self.e2e_p99)}"),
+            ("goodput", "-" if self.goodput is None else f"{self.goodput:.2f} req/s within the SLOs"),
+            ("KV cache", f"peak {100 * self.peak_kv_usage:.1f}% in use, {self.preemptions} preemptions"),
+        ]
+        return "\n".join(f"{name:<12} {value}" for name, value in rows)
+
+
+def summarise(config: BenchConfig, records: list[RequestRecord], duration: float, peak_kv: float,
+              preemptions: int) -> BenchReport:
+    ok = [r for r in records if r.error is None]
+    ttfts = [r.token_times[0] - r.sent for r in ok if r.token_times]
+    itls = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    e2es = [r.end - r.sent for r in ok]
+    goodput = None
+    if config.slo_ttft is not None or config.slo_itl is not None:
+        def meets(r: RequestRecord) -> bool:
+            if not r.token_times:
+                return False
+            ttft = r.token_times[0] - r.sent
+            gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:])]
+            return ((config.slo_ttft is None or ttft <= config.slo_ttft)
+                    and (config.slo_itl is None or not gaps or max(gaps) <= config.slo_itl))
+        goodput = sum(meets(r) for r in ok) / duration
+    prompt = sum(r.usage.get("prompt_tokens", 0) for r in ok)
+    cached = sum(r.usage.get("cached_tokens", 0) for r in ok)
+    counted = sum(len(r.token_times) for r in ok)
+    return BenchReport(
+        workload=config.workload, num_requests=len(records), num_failed=len(records) - len(ok), duration_s=duration,
+        request_throughput=len(ok) / duration, output_tokens_per_s=counted / duration, output_tokens=counted,
+        output_tokens_reported=sum(r.usage.get("completion_tokens", 0) for r in ok), prompt_tokens=prompt,
+        cached_prompt_tokens=cached, prefix_cache_hit_rate=cached / prompt if prompt else 0.0,
+        ttft_p50=_pct(ttfts, 0.5), ttft_p90=_pct(ttfts, 0.9), ttft_p99=_pct(ttfts, 0.99),
+        itl_p50=_pct(itls, 0.5), itl_p99=_pct(itls, 0.99), e2e_p50=_pct(e2es, 0.5), e2e_p99=_pct(e2es, 0.99),
+        goodput=goodput, peak_kv_usage=peak_kv, preemptions=preemptions,
+        errors=sorted({r.error for r in records if r.error is not None}),
+    )
+
+
+async def _one(client: Any, req: RequestPlan, t0: float, ignore_eos: bool, record: RequestRecord,
+               progress: Any) -> None:
+    from llmd.client import Result, ServerError
+
+    await asyncio.sleep(max(0.0, t0 + req.start_s - time.perf_counter()))
+    record.sent = time.perf_counter()
+    try:
+        async for item in client.generate(token_ids=req.prompt, max_tokens=req.output_tokens, temperature=0,
+                                          ignore_eos=ignore_eos):
+            now = time.perf_counter()
+            if isinstance(item, Result):
+                record.usage = item.usage
+            else:
+                record.token_times.extend([now] * len(item.token_ids))
+                if progress is not None:
+                    progress.update(len(item.token_ids))
+    except ServerError as e:
+        record.error = f"{e.code}: {e.message}"
+    record.end = time.perf_counter()
+
+
+async def _peak_kv(client: Any, box: list[float]) -> None:
+    async for stats in client.subscribe_stats():
+        blocks = stats.get("num_blocks") or 1
+        box[0] = max(box[0], stats.get("num_blocks_used_peak", stats.get("num_blocks_used", 0)) / blocks)
+
+
+async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progress: bool = False) -> BenchReport:
+    """Run ``config`` against the daemon of ``connection``."""
+    from llmd.client import AsyncClient, Client
+
+    with Client(connection=connection) as sync:
+        # ids the model's own tokenizer makes, so any vocabulary size works
+        vocab_ids = sorted(set(sync.tokenize(" ".join(f"w{i} alpha beta {i * 7}" for i in range(400)))))
+        preemptions_before = sync.stats()["num_preemptions"]
+    requests, warm = plan(config, vocab_ids)
+    total = sum(r.output_tokens for r in requests)
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=total, unit="tok", desc=f"llmd bench {config.workload}", file=sys.stderr, leave=False)
+    async with AsyncClient(connection=connection) as client:
+        if warm is not None:
+            await _one(client, warm, time.perf_counter(), True, RequestRecord(0.0), None)
+        peak = [0.0]
+        watcher = asyncio.create_task(_peak_kv(client, peak))
+        await asyncio.sleep(0.3)  # the stats subscription joins (PUB/SUB drops what comes before)
+        records = [RequestRecord(0.0) for _ in requests]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_one(client, r, t0, config.ignore_eos, rec, progress)
+                               for r, rec in zip(requests, records)))
+        duration = time.perf_counter() - t0
+        await asyncio.sleep(0.6)  # the message covering the run's last steps (published 4 times a second)
+        watcher.cancel()
+        try:
+            await watcher
+        except asyncio.CancelledError:
+            pass
+    if progress is not None:
+        progress.close()
+    with Client(connection=connection) as sync:
+        preemptions = sync.stats()["num_preemptions"] - preemptions_before
+    return summarise(config, records, duration, peak[0], preemptions)
+
+
+__all__ = ["BenchConfig", "BenchReport", "WORKLOADS", "plan", "run_bench", "summarise"]

@@ -1,0 +1,76 @@
+"""`llmd bench` briefly against a real daemon on a tiny model: each workload runs, the report has its
+fields, and its numbers agree with each other and with what the daemon says it produced."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from daemon_helpers import daemon_env, start_daemon, stop_daemon
+from tiny_models import make_hf_model, save_hf_model
+
+from llmd.bench import BenchConfig, plan
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("bench")
+    model_dir = save_hf_model(make_hf_model("qwen2"), tmp / "model", with_tokenizer=True)
+    socket_dir, env = tmp / "run", daemon_env(tmp)
+    start_daemon(model_dir, socket_dir, "--block-size", "4", env=env)
+    yield socket_dir, env
+    stop_daemon(socket_dir, env)
+
+
+def bench(daemon, *args: str) -> dict:
+    socket_dir, env = daemon
+    out = subprocess.run([sys.executable, "-m", "llmd", "bench", "--socket-dir", str(socket_dir), "--json", *args],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_streams_report_is_self_consistent(daemon) -> None:
+    # 4 x 80 tokens: long enough (~1 s) for the 4-per-second stats stream to see the KV blocks in use
+    r = bench(daemon, "--streams", "4", "--prompt-tokens", "12", "--output-tokens", "80")
+    assert r["workload"] == "streams" and r["num_requests"] == 4 and r["num_failed"] == 0 and r["errors"] == []
+    # tokens counted on the stream == tokens the daemon reports == what was asked (ignore_eos: exact)
+    assert r["output_tokens"] == r["output_tokens_reported"] == 4 * 80
+    assert r["prompt_tokens"] == 4 * 12
+    assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+    assert r["request_throughput"] == pytest.approx(4 / r["duration_s"])
+    assert 0 < r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"] <= r["e2e_p99"] <= r["duration_s"]
+    assert 0 <= r["itl_p50"] <= r["itl_p99"] and r["e2e_p50"] <= r["e2e_p99"]
+    assert 0 < r["peak_kv_usage"] <= 1 and r["preemptions"] == 0 and r["goodput"] is None
+
+
+def test_prefix_workload_hits_the_cache(daemon) -> None:
+    r = bench(daemon, "--workload", "prefix", "--streams", "3", "--prefix-tokens", "40", "--prompt-tokens", "5",
+              "--output-tokens", "4")
+    assert r["output_tokens"] == r["output_tokens_reported"] == 12 and r["prompt_tokens"] == 3 * 45
+    # the warm-up request cached the 40-token prefix: 10 full blocks of 4 per request
+    assert r["cached_prompt_tokens"] >= 3 * 40 and r["prefix_cache_hit_rate"] == pytest.approx(
+        r["cached_prompt_tokens"] / r["prompt_tokens"])
+
+
+def test_poisson_with_slos(daemon) -> None:
+    r = bench(daemon, "--workload", "poisson", "--requests", "6", "--rate", "20", "--prompt-tokens", "8",
+              "--output-tokens", "6", "--slo-ttft", "60", "--slo-itl", "60")
+    assert r["num_requests"] == 6 and r["num_failed"] == 0
+    assert r["output_tokens"] == r["output_tokens_reported"]
+    assert r["goodput"] == pytest.approx(r["request_throughput"])  # generous SLOs: every request meets them
+
+
+def test_plan_is_seeded_and_exact() -> None:
+    config = BenchConfig(workload="poisson", num_requests=20, prompt_tokens=10, output_tokens=8, rate=5.0, seed=3)
+    a, _ = plan(config, list(range(50)))
+    b, _ = plan(config, list(range(50)))
+    assert [(r.start_s, r.prompt, r.output_tokens) for r in a] == [(r.start_s, r.prompt, r.output_tokens) for r in b]
+    assert all(5 <= len(r.prompt) <= 15 and 4 <= r.output_tokens <= 12 for r in a)
+    assert all(x.start_s < y.start_s for x, y in zip(a, a[1:]))
+    with pytest.raises(ValueError, match="workload must be one of"):
+        BenchConfig(workload="burst")
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        BenchConfig(rate=0)
