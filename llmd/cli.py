@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="shared system prompt of the prefix workload (default: 1000)")
     bench.add_argument("--rate", type=float, default=4.0, help="poisson: requests per second (default: 4)")
     bench.add_argument("--requests", type=_positive_int, default=32, help="poisson: how many (default: 32)")
-    bench.add_argument("--seed", type=int, default=0, help="random prompts and arrivals (default: 0)")
+    bench.add_argument("--seed", type=int, default=None,
+                       help="repeat a run's prompts and arrivals (default: new ones each run, so an earlier run's "
+                            "prompts do not hit the prefix cache)")
     bench.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="goodput: time to first token")
     bench.add_argument("--slo-itl", type=float, default=None, metavar="S", help="goodput: largest inter-token gap")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")

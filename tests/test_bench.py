@@ -36,6 +36,7 @@ def test_streams_report_is_self_consistent(daemon) -> None:
     # 4 x 80 tokens: long enough (~1 s) for the 4-per-second stats stream to see the KV blocks in use
     r = bench(daemon, "--streams", "4", "--prompt-tokens", "12", "--output-tokens", "80")
     assert r["workload"] == "streams" and r["num_requests"] == 4 and r["num_failed"] == 0 and r["errors"] == []
+    assert isinstance(r["seed"], int)
     # tokens counted on the stream == tokens the daemon reports == what was asked (ignore_eos: exact)
     assert r["output_tokens"] == r["output_tokens_reported"] == 4 * 80
     assert r["prompt_tokens"] == 4 * 12
@@ -74,3 +75,11 @@ def test_plan_is_seeded_and_exact() -> None:
         BenchConfig(workload="burst")
     with pytest.raises(ValueError, match="rate must be > 0"):
         BenchConfig(rate=0)
+
+
+def test_runs_do_not_reuse_each_others_prompts_unless_seeded(daemon) -> None:
+    args = ("--streams", "2", "--prompt-tokens", "20", "--output-tokens", "3")
+    first, second = bench(daemon, *args), bench(daemon, *args)
+    assert first["seed"] != second["seed"] and second["cached_prompt_tokens"] == 0
+    again = bench(daemon, *args, "--seed", str(first["seed"]))  # the same prompts: found in the cache
+    assert again["cached_prompt_tokens"] >= 2 * 16
