@@ -113,6 +113,22 @@ def _attend_block(q, k, v, visible, m_i, l_i, acc, scale_log2):
 
 
 @triton.jit
+def _load_kv_block(k_cache_ptr, v_cache_ptr, block_table_ptr, blk, kv_head, seq_len, n, d, mask_d,
+                   stride_cb, stride_cs, stride_ch, BLOCK_N: tl.constexpr):
+    """The K and V tiles ``[BLOCK_N, BLOCK_D]`` of a sequence's ``blk``-th block (through its block
+    table row), and the positions of their keys."""
+    block_id = tl.load(block_table_ptr + blk).to(tl.int64)
+    kv_off = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+    k_pos = blk * BLOCK_N + n
+    # Slots past seq_len hold stale data: K there is masked out of the scores anyway, but V must be
+    # loaded as 0, as a stale inf or NaN times probability 0 is NaN in P @ V.
+    in_seq = (k_pos < seq_len)[:, None] & mask_d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=in_seq, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=in_seq, other=0.0)
+    return k, v, k_pos
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
                    scale_log2, window,
                    stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
@@ -145,14 +161,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for blk in range(start, end):
-        block_id = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
-        kv_off = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        k_pos = blk * BLOCK_N + n
-        # Slots past seq_len hold stale data: K there is masked out of the scores, but V must be
-        # loaded as 0, as a stale inf or NaN times probability 0 is NaN in P @ V.
-        in_seq = (k_pos < seq_len)[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=in_seq, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=in_seq, other=0.0)
+        k, v, k_pos = _load_kv_block(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, blk, kv_head,
+                                     seq_len, n, d, mask_d, stride_cb, stride_cs, stride_ch, BLOCK_N)
         visible = k_pos < seq_len
         if SLIDING:
             visible &= q_pos - k_pos < window
@@ -227,12 +237,8 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for blk in range(first_block, end_block):
-        block_id = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
-        kv_off = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        k_pos = blk * BLOCK_N + n
-        in_seq = (k_pos < seq_len)[:, None] & mask_d[None, :]  # stale slots as 0 (see _decode_kernel)
-        k = tl.load(k_cache_ptr + kv_off, mask=in_seq, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=in_seq, other=0.0)
+        k, v, k_pos = _load_kv_block(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, blk, kv_head,
+                                     seq_len, n, d, mask_d, stride_cb, stride_cs, stride_ch, BLOCK_N)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
         if SLIDING:
             visible &= q_pos[:, None] - k_pos[None, :] < window
