@@ -1,4 +1,12 @@
-"""CPU matmuls on INT4 / INT8 weights through torch's packed weight-only kernels.
+"""CPU matmuls on INT4 / INT8 weights: the native kernels (kernels/cpu/quant_gemm.c) and torch's.
+
+The native kernels quantise the activations to int8 per block of 32 and take integer dot
+products (the way llama.cpp runs its Q4/Q8 formats); :func:`int4_matmul_q8_ref` and
+:func:`int8_matmul_q8_ref` are the same arithmetic in torch, the ground truth of the tests and
+the path when the native library cannot be built. Measured on this project's machines (AMD EPYC,
+2 cores): see benchmarks/quant_matmul_cpu.py.
+
+When there is no native library, torch's packed weight-only kernels below are used instead.
 
 torch ships ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``. Measured on an AMD EPYC
 with avx512_bf16 (this project's machines), with bf16 activations and a 3072x576 weight:
@@ -10,10 +18,109 @@ the reference path (dequantise, then a dense matmul), which is also what these a
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from llmd.kernels.native import library
 from llmd.quant.common import unpack_int4
 from llmd.quant.int4 import Int4Weight
+
+QK = 32  # activations are quantised per block of this many inputs
+
+
+def cpu_path(dtype: torch.dtype, in_features: int, packed_ok: bool = True) -> str:
+    """Which CPU matmul a quantised layer takes for activations of ``dtype``, fastest first:
+    ``packed`` (torch's kernels, bf16 on a CPU with native bf16: they beat ours there, see
+    benchmarks/quant_matmul_cpu.py), ``native`` (ours: any CPU with a C compiler; inputs a
+    multiple of 32), else ``reference`` (dequantise, then a dense matmul)."""
+    if packed_ok and packed_kernels_pay(dtype):
+        return "packed"
+    if in_features % QK == 0 and library() is not None:
+        return "native"
+    return "reference"
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` fp32 -> int8 ``xq [M, K]``, scales ``xd [M, K/32]``, block sums ``xs [M, K/32]``
+    (int32): ``xd = amax / 127`` and ``xq = round(x / xd)`` (half to even; 0 where ``xd`` is 0)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // QK, QK)
+    xd = blocks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(xd > 0, 1.0 / xd, torch.zeros_like(xd))
+    xq = torch.round(blocks * inv[..., None])
+    return xq.to(torch.int8).reshape(m, k), xd, xq.sum(dim=-1).to(torch.int32)
+
+
+def quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_activations_ref` in the native library (bit for bit the same).
+    ``lib``: another build of it (tests); the functions below take it too."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd = torch.empty(m, k // QK, dtype=torch.float32)
+    xs = torch.empty(m, k // QK, dtype=torch.int32)
+    (lib or library()).llmd_quantize_q8(x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), _threads())
+    return xq, xd, xs
+
+
+def _block_dots(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Exact integer dot products per block of 32: ``[M, N, K/32]`` (int64 matmul, so no rounding)."""
+    m, k = xq.shape
+    xb = xq.long().reshape(m, 1, k // QK, 1, QK)
+    qb = q.long().reshape(1, q.shape[0], k // QK, QK, 1)
+    return (xb @ qb).reshape(m, q.shape[0], k // QK)
+
+
+def int4_matmul_q8_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                       group_size: int) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (fp32) the native kernel's way; torch only, for tests and small shapes."""
+    xq, xd, xs = quantize_activations_ref(x.float())
+    per_block = group_size // QK
+    s = scales.float().repeat_interleave(per_block, dim=1)  # [N, K/32]
+    mn = mins.float().repeat_interleave(per_block, dim=1)
+    dots = _block_dots(xq, unpack_int4(packed)).float()
+    return (dots * s[None] * xd[:, None] + mn[None] * (xd * xs.float())[:, None]).sum(-1)
+
+
+def int8_matmul_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+                       ) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (fp32) the native kernel's way; torch only, for tests and small shapes."""
+    xq, xd, _ = quantize_activations_ref(x.float())
+    s = scales.float().repeat_interleave(group_size // QK, dim=1)
+    return (_block_dots(xq, qweight).float() * s[None] * xd[:, None]).sum(-1)
+
+
+def int4_matmul_native(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                       group_size: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`int4_matmul_q8_ref` in the native library: ``[M, N]`` fp32."""
+    lib = lib or library()
+    xq, xd, xs = quantize_activations(x, lib)
+    m, k = xq.shape
+    n = packed.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    xm = xd * xs  # the min term's per-block factor
+    lib.llmd_int4_gemm(xq.data_ptr(), xd.data_ptr(), xm.data_ptr(), m, k, packed.data_ptr(),
+                             scales.data_ptr(), mins.data_ptr(), n, group_size, out.data_ptr(), _threads())
+    return out
+
+
+def int8_matmul_native(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`int8_matmul_q8_ref` in the native library: ``[M, N]`` fp32."""
+    lib = lib or library()
+    xq, xd, _ = quantize_activations(x, lib)
+    m, k = xq.shape
+    n = qweight.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib.llmd_int8_gemm(xq.data_ptr(), xd.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n,
+                             group_size, out.data_ptr(), _threads())
+    return out
 
 
 def packed_kernels_pay(dtype: torch.dtype) -> bool:

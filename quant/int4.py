@@ -68,9 +68,10 @@ def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
 class Int4Linear(QuantizedLinear):
     """``y = x W^T + b`` with an INT4 ``W``, filled row block by row block (:meth:`load_rows`).
 
-    The path follows the device: Triton on CUDA; on a CPU with fast bf16, torch's packed int4
-    kernel after :meth:`prepare` converts the weight to its layout (and drops ours, so one copy is
-    held); otherwise the reference path, which dequantises and multiplies.
+    The path follows the device: Triton on CUDA; on the CPU, what :meth:`prepare` picks
+    (:func:`llmd.kernels.quant_cpu.cpu_path`): torch's packed int4 kernel (bf16 on a CPU with fast
+    bf16; the weight is converted to its layout and ours dropped, so one copy is held), our native
+    kernel, or the reference path, which dequantises and multiplies (also before ``prepare``).
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
@@ -87,6 +88,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales", torch.zeros(out_features, groups, dtype=torch.float16))
         self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.cpu_path = "reference"  # set by prepare()
         # torch's CPU int4 layout, set by prepare() when that kernel is used.
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
@@ -110,9 +112,12 @@ class Int4Linear(QuantizedLinear):
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Once loaded: convert to the layout of the fastest kernel for activations of ``dtype``."""
-        from llmd.kernels.quant_cpu import pack_int4_for_cpu, packed_kernels_pay
+        from llmd.kernels.quant_cpu import cpu_path, pack_int4_for_cpu
 
-        if self.cpu_packed is None and self.packed.device.type == "cpu" and packed_kernels_pay(dtype):
+        if self.cpu_packed is not None or self.packed.device.type != "cpu":
+            return
+        self.cpu_path = cpu_path(dtype, self.in_features)
+        if self.cpu_path == "packed":
             self.cpu_packed, scales_and_zeros = pack_int4_for_cpu(self.weight())
             self.cpu_scales_zeros = scales_and_zeros.to(dtype)
             # Hold one copy: ours is emptied (the buffers stay, so state_dict keys do not change).
@@ -131,6 +136,10 @@ class Int4Linear(QuantizedLinear):
             from llmd.kernels.quant_matmul_triton import int4_matmul
 
             out = int4_matmul(x2, self.packed, self.scales, self.mins, self.group_size)
+        elif self.cpu_path == "native":
+            from llmd.kernels.quant_cpu import int4_matmul_native
+
+            out = int4_matmul_native(x2, self.packed, self.scales, self.mins, self.group_size).to(x.dtype)
         else:
             out = F.linear(x2, dequantize_int4(self.weight()).to(x.dtype))
         if self.bias is not None:

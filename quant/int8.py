@@ -53,8 +53,9 @@ class Int8Linear(QuantizedLinear):
     """``y = x W^T + b`` with an INT8 ``W``, filled row block by row block (:meth:`load_rows`).
 
     ``group_size=None`` means one scale per output channel. The path follows the device: Triton on
-    CUDA; torch's packed int8 kernel for per-channel weights and bf16 activations on a CPU with fast
-    bf16; otherwise the reference path (dequantise, then multiply).
+    CUDA; on the CPU, what :meth:`prepare` picks (:func:`llmd.kernels.quant_cpu.cpu_path`): torch's
+    packed int8 kernel (per-channel weights, bf16 on a CPU with fast bf16), our native kernel, or
+    the reference path (dequantise, then multiply; also before ``prepare``).
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int | None = None, bias: bool = False,
@@ -66,6 +67,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.zeros(out_features, in_features // group_size, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.cpu_path = "reference"  # set by prepare()
 
     def load_rows(self, start: int, weight: torch.Tensor | Int8Weight) -> None:
         """Fill output rows ``start:start + len(weight)``: an :class:`Int8Weight` with our group size
@@ -82,18 +84,25 @@ class Int8Linear(QuantizedLinear):
         return Int8Weight(self.qweight, self.scales, self.group_size)
 
     def prepare(self, dtype: torch.dtype) -> None:
-        """Nothing to convert: torch's int8 kernel reads this layout."""
+        """Once loaded: pick the CPU kernel for activations of ``dtype`` (every kernel reads this
+        layout; torch's is per channel only)."""
+        from llmd.kernels.quant_cpu import cpu_path
+
+        if self.qweight.device.type == "cpu":
+            self.cpu_path = cpu_path(dtype, self.in_features, packed_ok=self.group_size == self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from llmd.kernels.quant_cpu import int8_mm_cpu, packed_kernels_pay
+        from llmd.kernels import quant_cpu
 
         x2 = x.reshape(-1, self.in_features)
         if x.is_cuda:
             from llmd.kernels.quant_matmul_triton import int8_matmul
 
             out = int8_matmul(x2, self.qweight, self.scales, self.group_size)
-        elif self.group_size == self.in_features and packed_kernels_pay(x.dtype):  # the kernel is per channel
-            out = int8_mm_cpu(x2, self.qweight, self.scales[:, 0])
+        elif self.group_size == self.in_features and quant_cpu.packed_kernels_pay(x.dtype):  # per channel
+            out = quant_cpu.int8_mm_cpu(x2, self.qweight, self.scales[:, 0])
+        elif self.cpu_path == "native":
+            out = quant_cpu.int8_matmul_native(x2, self.qweight, self.scales, self.group_size).to(x.dtype)
         else:
             out = F.linear(x2, dequantize_int8(self.weight()).to(x.dtype))
         if self.bias is not None:

@@ -1,0 +1,74 @@
+"""CPU matmul speed on the default model's projection shapes: the native INT4/INT8 kernels against
+torch's packed int4/int8 kernels (bf16 activations), the reference path (dequantise + matmul) and
+dense fp32 / bf16 matmuls.
+
+    .venv/bin/python benchmarks/quant_matmul_cpu.py [--rows 1 16 512]
+
+Prints microseconds per call (median of repeats) per shape and batch size. Run it alone: other
+CPU work on a 2-core machine distorts every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from llmd.kernels import quant_cpu
+from llmd.quant.int4 import dequantize_int4, quantize_int4
+from llmd.quant.int8 import quantize_int8
+
+# SmolLM2-135M: (name, in_features, out_features); lm_head is the tied embedding (GGUF Q8_0).
+SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
+          ("lm_head", 576, 49152)]
+
+
+def timed(fn: Callable[[], object], budget_s: float = 0.3) -> float:
+    fn()
+    times = []
+    end = time.perf_counter() + budget_s
+    while time.perf_counter() < end or len(times) < 5:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 512])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    native = quant_cpu.library() is not None
+    print(f"threads {torch.get_num_threads()}, native kernels {'built' if native else 'UNAVAILABLE'}")
+    print(f"{'shape':>8} {'M':>4} | {'native i4':>9} {'native i8':>9} | {'torch i4':>9} {'torch i8':>9} | "
+          f"{'deq+mm':>9} {'fp32 mm':>9} {'bf16 mm':>9}   (us)")
+    for name, k, n in SHAPES:
+        w = torch.randn(n, k) * 0.05
+        q4 = quantize_int4(w, 32)
+        q8 = quantize_int8(w, 32)
+        q8c = quantize_int8(w)  # per channel: torch's int8 kernel
+        packed4, sz = quant_cpu.pack_int4_for_cpu(q4)
+        wb = w.bfloat16()
+        for m in args.rows:
+            x = torch.randn(m, k)
+            xb = x.bfloat16()
+            cols = {
+                "native i4": (lambda: quant_cpu.int4_matmul_native(x, q4.packed, q4.scales, q4.mins, 32))
+                if native else None,
+                "native i8": (lambda: quant_cpu.int8_matmul_native(x, q8.qweight, q8.scales, 32)) if native else None,
+                "torch i4": lambda: quant_cpu.int4_mm_cpu(xb, packed4, 32, sz),
+                "torch i8": lambda: quant_cpu.int8_mm_cpu(xb, q8c.qweight, q8c.scales[:, 0]),
+                "deq+mm": lambda: x @ dequantize_int4(q4).T,
+                "fp32 mm": lambda: x @ w.T,
+                "bf16 mm": lambda: xb @ wb.T,
+            }
+            cells = [f"{timed(fn):9.0f}" if fn else f"{'-':>9}" for fn in cols.values()]
+            print(f"{name:>8} {m:>4} | {cells[0]} {cells[1]} | {cells[2]} {cells[3]} | {' '.join(cells[4:])}")
+
+
+if __name__ == "__main__":
+    main()

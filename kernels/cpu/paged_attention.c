@@ -1,0 +1,88 @@
+/* Decode attention over a paged fp32 KV cache: each query row is the newest token of its sequence.
+ *
+ * q [B, H, D], caches [num_blocks, block_size, KVH, D], block_tables [B, max_blocks] (int64),
+ * seq_lens [B] (int32, the query token included), out [B, H, D]. A key is visible when
+ * k_pos >= seq_len - window (window 0: no sliding window).
+ *
+ * One task per (sequence, KV head): the GQA group's query heads share each key and value read.
+ * Three passes per task (scores, softmax, weighted sum of V) instead of an online softmax: the
+ * rescaling an online softmax needs per key costs more than keeping the scores (one float per
+ * key and head). Matches llmd.kernels.attention_ref.decode_attention within fp32 rounding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    s = _mm_cvtss_f32(h);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y += a * x */
+static inline void axpy_f32(float a, const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+void llmd_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                 const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                 int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                                 int64_t window, float scale, float *out, int nthreads) {
+    const int64_t group = H / KVH;
+    const int64_t token_stride = KVH * D;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * KVH; task++) {
+        const int64_t b = task / KVH, kvh = task % KVH;
+        const int64_t len = seq_lens[b];
+        const int64_t start = window > 0 && len > window ? len - window : 0;
+        const int64_t n = len - start;
+        const int64_t *table = block_tables + b * max_blocks;
+        float *scores = malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));
+        for (int64_t g = 0; g < group; g++) {
+            float *o = out + (b * H + kvh * group + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        }
+        for (int64_t pos = start; pos < len; pos++) {
+            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+            const float *k = k_cache + slot * token_stride + kvh * D;
+            for (int64_t g = 0; g < group; g++)
+                scores[g * n + pos - start] = dot_f32(q + (b * H + kvh * group + g) * D, k, D) * scale;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *s = scores + g * n;
+            float mx = -INFINITY, total = 0.0f;
+            for (int64_t i = 0; i < n; i++) mx = fmaxf(mx, s[i]);
+            for (int64_t i = 0; i < n; i++) {
+                s[i] = expf(s[i] - mx);
+                total += s[i];
+            }
+            const float inv = n > 0 ? 1.0f / total : 0.0f;
+            for (int64_t i = 0; i < n; i++) s[i] *= inv;
+        }
+        for (int64_t pos = start; pos < len; pos++) {
+            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+            const float *v = v_cache + slot * token_stride + kvh * D;
+            for (int64_t g = 0; g < group; g++)
+                axpy_f32(scores[g * n + pos - start], v, out + (b * H + kvh * group + g) * D, D);
+        }
+        free(scores);
+    }
+}

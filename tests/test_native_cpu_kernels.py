@@ -1,0 +1,159 @@
+"""The native CPU kernels (kernels/cpu/*.c) against their torch references, in both builds: the
+one for this CPU (AVX2+FMA, -march=native) and the portable C; and the fallback when the library
+cannot be had."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from llmd.kernels import native, quant_cpu
+from llmd.quant.common import pack_int4
+from llmd.quant.int4 import Int4Linear, Int4Weight, dequantize_int4, quantize_int4
+from llmd.quant.int8 import Int8Linear, Int8Weight, quantize_int8
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(scope="module", params=["native-arch", "portable"])
+def lib(request, tmp_path_factory) -> ctypes.CDLL:
+    if request.param == "native-arch":
+        built = native.library()
+        assert built is not None, "a machine with a C compiler must build the library"
+        assert built.llmd_has_avx2() == ("avx2" in open("/proc/cpuinfo").read())
+        return built
+    portable = native.load(native.build(out_dir=tmp_path_factory.mktemp("native"), portable=True))
+    assert not portable.llmd_has_avx2()
+    return portable
+
+
+# K: one block, a multiple of 256 (the AVX2 loop's 8 blocks) and ragged counts of blocks around it.
+SHAPES = [(1, 1, 32), (1, 17, 576), (3, 33, 256), (5, 64, 288), (16, 7, 1536), (33, 40, 96)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_activation_quantisation_is_bit_exact(lib, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(k + m)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0, values 0
+    x[-1, -32:] = torch.tensor([0.5, -0.5, 1.5, -2.5] * 8) * (127 / 2.5)  # ties round to even
+    for got, want in zip(quant_cpu.quantize_activations(x, lib), quant_cpu.quantize_activations_ref(x)):
+        assert torch.equal(got, want)
+
+
+def exact_inputs(m: int, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Integers whose every product and sum is exact in fp32: activations with one power-of-two
+    scale per block (an entry of +-127 in each block), int4 values and power-of-two weight scales."""
+    q_x = torch.randint(-127, 128, (m, k), generator=g)
+    q_x.view(m, k // 32, 32)[..., 0] = 127
+    x = q_x.float() * 2.0 ** -5
+    q_w = torch.randint(0, 16, (n, k), generator=g)
+    return x, q_x, q_w
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int4_integer_parts_are_exact(lib, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * k)
+    x, q_x, q_w = exact_inputs(m, n, k, g)
+    scales = torch.full((n, k // 32), 2.0 ** -3, dtype=torch.float16)
+    mins = -8 * scales  # symmetric: w = scale * (q - 8)
+    got = quant_cpu.int4_matmul_native(x, pack_int4(q_w), scales, mins, 32, lib)
+    exact = (q_x @ (q_w - 8).t()).double() * 2.0 ** -5 * 2.0 ** -3
+    assert torch.equal(got.double(), exact)
+    assert torch.equal(quant_cpu.int4_matmul_q8_ref(x, pack_int4(q_w), scales, mins, 32).double(), exact)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int8_integer_parts_are_exact(lib, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * k + 1)
+    x, q_x, _ = exact_inputs(m, n, k, g)
+    q_w = torch.randint(-128, 128, (n, k), generator=g)  # -128 occurs in imported GGUF Q8_0 blocks
+    q_w[0, :32] = -128
+    scales = torch.full((n, 1), 2.0 ** -4, dtype=torch.float16)
+    got = quant_cpu.int8_matmul_native(x, q_w.to(torch.int8), scales, k, lib)
+    assert torch.equal(got.double(), (q_x @ q_w.t()).double() * 2.0 ** -9)
+
+
+def close_in_fp32(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> bool:
+    """Equal up to fp32 rounding of a sum whose terms' magnitudes add up to ``terms``."""
+    return bool(((got - want).abs() <= 1e-5 * terms + 1e-30).all())
+
+
+@pytest.mark.parametrize("m,n,k,group_size", [(*s, g) for s in SHAPES for g in (32, 64, 128) if s[2] % g == 0])
+def test_int4_matches_reference_within_fp32_rounding(lib, m: int, n: int, k: int, group_size: int) -> None:
+    g = torch.Generator().manual_seed(m + n + group_size)
+    x = torch.randn(m, k, generator=g)
+    qw = quantize_int4(torch.randn(n, k, generator=g), group_size)
+    got = quant_cpu.int4_matmul_native(x, qw.packed, qw.scales, qw.mins, group_size, lib)
+    want = quant_cpu.int4_matmul_q8_ref(x, qw.packed, qw.scales, qw.mins, group_size)
+    largest_weight = qw.scales.float().abs().max() * 15 + qw.mins.float().abs().max()
+    assert close_in_fp32(got, want, x.abs().sum(-1, keepdim=True) * largest_weight)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("group_size", [32, None])
+def test_int8_matches_reference_within_fp32_rounding(lib, m: int, n: int, k: int, group_size: int | None) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g)
+    qw = quantize_int8(torch.randn(n, k, generator=g), group_size)
+    got = quant_cpu.int8_matmul_native(x, qw.qweight, qw.scales, qw.group_size, lib)
+    want = quant_cpu.int8_matmul_q8_ref(x, qw.qweight, qw.scales, qw.group_size)
+    assert close_in_fp32(got, want, x.abs() @ (qw.qweight.float().abs() * qw.scales.float().max()).t())
+
+
+def test_the_q8_reference_is_close_to_the_dequantised_matmul() -> None:
+    """Quantising activations costs little: what the native path computes stays within 1% of the
+    dequantise-then-multiply reference (the unquantised activations)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 576, generator=g), torch.randn(300, 576, generator=g)
+    qw = quantize_int4(w, 32)
+    ref = x @ dequantize_int4(qw).t()
+    got = quant_cpu.int4_matmul_q8_ref(x, qw.packed, qw.scales, qw.mins, 32)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+def test_layers_take_the_native_kernel_for_fp32_and_match_it(cls) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 320, generator=g)
+    qw: Int4Weight | Int8Weight = quantize_int4(w, 64) if cls is Int4Linear else quantize_int8(w, 32)
+    bias = torch.randn(70, generator=g)
+    layer = cls.from_weight(qw, bias)
+    layer.prepare(torch.float32)
+    assert layer.cpu_path == "native"
+    x = torch.randn(2, 3, 320, generator=g)
+    if cls is Int4Linear:
+        want = quant_cpu.int4_matmul_q8_ref(x.reshape(6, 320), qw.packed, qw.scales, qw.mins, 64)
+    else:
+        want = quant_cpu.int8_matmul_q8_ref(x.reshape(6, 320), qw.qweight, qw.scales, 32)
+    got = layer(x)
+    assert got.shape == (2, 3, 70)
+    assert torch.allclose(got.reshape(6, 70), want + bias, rtol=1e-5, atol=1e-4)
+
+
+def test_without_the_library_layers_fall_back_to_torch(monkeypatch) -> None:
+    """No compiler (or LLMD_NATIVE=0): library() is None and the layers take the reference path,
+    which computes the dequantised matmul."""
+    native.library.cache_clear()
+    try:
+        monkeypatch.setenv("LLMD_NATIVE", "0")
+        assert native.library() is None
+        native.library.cache_clear()
+        monkeypatch.delenv("LLMD_NATIVE")
+        monkeypatch.setenv("CC", "no-such-compiler")
+        with pytest.raises(native.NativeBuildError, match="no C compiler"):
+            native.build(out_dir=None)
+        assert native.library() is None
+        g = torch.Generator().manual_seed(4)
+        qw = quantize_int4(torch.randn(50, 256, generator=g), 32)
+        layer = Int4Linear.from_weight(qw)
+        layer.prepare(torch.float32)
+        assert layer.cpu_path == "reference"
+        x = torch.randn(3, 256, generator=g)
+        assert torch.allclose(layer(x), x @ dequantize_int4(qw).t(), rtol=1e-5, atol=1e-5)
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.library() is not None
