@@ -4,8 +4,9 @@ The model never sees blocks or sequences: each attention layer hands its new q/k
 of the KV cache to the backend together with one :class:`AttentionMetadata` built per step by
 whoever drives the model (the engine's model runner, or the simple generator the tests use).
 
-Two backends: :class:`TorchAttentionBackend` (the reference; the CPU's) and
-:class:`TritonAttentionBackend` (CUDA's; on the CPU only in the Triton interpreter, for tests).
+Three backends: :class:`TorchAttentionBackend` (the reference), :class:`CpuAttentionBackend` (the
+CPU's: the reference with decode rows in the native library) and :class:`TritonAttentionBackend`
+(CUDA's; on the CPU only in the Triton interpreter, for tests).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from llmd.kernels import attention_ref
 
 log = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(slots=True)
@@ -101,6 +102,50 @@ class TorchAttentionBackend:
         )
 
 
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The reference, with its decode rows (every row of a pure decode step) computed by the native
+    library's paged decode kernel (llmd.kernels.attention_cpu): one call per layer instead of a
+    gather of every context into a padded tensor and a dozen torch ops. KV caches of fp32 or bf16."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from llmd.kernels import attention_cpu
+
+        self._decode = attention_cpu.decode_attention
+
+    def unsupported(self, block_size: int, head_dim: int | None = None,
+                    dtype: torch.dtype | None = None) -> str | None:
+        from llmd.kernels.attention_cpu import CACHE_DTYPES
+
+        if dtype is not None and dtype not in CACHE_DTYPES:
+            return f"the cpu attention backend keeps its KV cache in fp32 or bf16, not {dtype}"
+        return None
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        attention_ref.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return self._decode(query, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, sliding_window)
+        return attention_ref.paged_attention(
+            query, k_cache, v_cache, meta.query_lens, meta.seq_lens, meta.block_tables, scale,
+            sliding_window, decode=self._decode,
+        )
+
+
+def native_attention_usable() -> str | None:
+    """None if the cpu backend can run here, else why not."""
+    from llmd.kernels.native import library
+
+    if library() is None:
+        return "the native CPU library could not be built (see the log)"
+    return None
+
+
 class TritonAttentionBackend:
     """Triton kernels (llmd.kernels.attention_triton): a pure decode step runs the decode kernel
     (split-K over long contexts); a step with any prompt chunk runs the extend kernel for all its
@@ -158,15 +203,25 @@ def triton_usable(device: str) -> str | None:
 
 def make_attention_backend(name: str, device: str) -> AttentionBackend:
     """The backend ``--attention`` names for ``device``: ``auto`` is Triton on CUDA (when triton is
-    installed), the torch reference elsewhere.
+    installed), the cpu backend on the CPU (when the native library builds), else the torch reference.
 
     Raises:
-        ValueError: an unknown name, or ``triton`` where it cannot run.
+        ValueError: an unknown name, or ``triton`` / ``cpu`` where it cannot run.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    if name == "torch" or (name == "auto" and device == "cpu"):
+    if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu" or (name == "auto" and device == "cpu"):
+        if device != "cpu":
+            raise ValueError("--attention cpu runs on the CPU only (use --device cpu)")
+        reason = native_attention_usable()
+        if reason is None:
+            return CpuAttentionBackend()
+        if name == "auto":
+            log.warning("%s; attention runs on the slower torch reference path", reason)
+            return TorchAttentionBackend()
+        raise ValueError(f"--attention cpu: {reason}")
     reason = triton_usable(device)
     if reason is None:
         return TritonAttentionBackend()

@@ -9,8 +9,13 @@ A token's *slot* is ``block_id * block_size + offset``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+# decode(query, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window) -> out
+DecodeFn = Callable[..., torch.Tensor]
 
 
 def write_kv(
@@ -43,6 +48,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    decode: DecodeFn | None = None,
 ) -> torch.Tensor:
     """Causal attention for a ragged batch whose context lives in paged blocks.
 
@@ -60,6 +66,8 @@ def paged_attention(
             entries of a row are read.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: a key is visible only if ``q_pos - k_pos < sliding_window``.
+        decode: computes the decode rows (default :func:`decode_attention`); a faster kernel with
+            the same contract plugs in here.
 
     Returns:
         ``[T, num_heads, head_dim]``.
@@ -76,7 +84,7 @@ def paged_attention(
     # SDPA call per sequence: with many streams the per-call overhead dominated a step.
     if decode_rows:
         token_idx = torch.tensor([starts[i] for i in decode_rows], device=query.device)
-        out[token_idx] = decode_attention(
+        out[token_idx] = (decode or decode_attention)(
             query[token_idx], k_cache, v_cache, [seq_lens[i] for i in decode_rows],
             block_tables[decode_rows], scale, sliding_window,
         )

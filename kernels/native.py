@@ -48,7 +48,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
                         c_int64, c_void_p, c_int], None),
     "llmd_int8_gemm": ([c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_int64, c_void_p,
                         c_int], None),
-    "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_int64,
+    "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_float, c_void_p, c_int], None),
 }
 

@@ -255,4 +255,56 @@ async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progre
     return summarise(config, records, duration, peak[0], preemptions)
 
 
-__all__ = ["BenchConfig", "BenchReport", "WORKLOADS", "plan", "run_bench", "summarise"]
+def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = False) -> BenchReport:
+    """Run ``config`` against ``llm`` (an :class:`llmd.LLM`) in this process: the engine without the
+    daemon, its socket and the client, so the difference to :func:`run_bench` is what they cost."""
+    from llmd import SamplingParams
+
+    engine = llm.engine
+    vocab_ids = sorted(set(llm.encode(" ".join(f"w{i} alpha beta {i * 7}" for i in range(400)))))
+    requests, warm = plan(config, vocab_ids)
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=sum(r.output_tokens for r in requests), unit="tok", desc=f"llmd bench {config.workload}",
+                        file=sys.stderr, leave=False)
+    if warm is not None:
+        llm.generate([warm.prompt], SamplingParams(temperature=0, max_tokens=warm.output_tokens, ignore_eos=True))
+    preemptions_before = engine.stats().num_preemptions
+    engine.take_peak_blocks_used()  # the run's own peak from here on
+    records = {f"bench-{i}": RequestRecord(0.0) for i in range(len(requests))}
+    pending = sorted(zip(records, requests), key=lambda item: item[1].start_s)
+    t0 = time.perf_counter()
+    unfinished = len(requests)
+    while unfinished:
+        now = time.perf_counter()
+        while pending and t0 + pending[0][1].start_s <= now:
+            rid, req = pending.pop(0)
+            records[rid].sent = now
+            engine.add_request(rid, req.prompt, SamplingParams(temperature=0, max_tokens=req.output_tokens,
+                                                               ignore_eos=config.ignore_eos))
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, t0 + pending[0][1].start_s - time.perf_counter()))
+            continue
+        for delta in engine.step():
+            now = time.perf_counter()
+            record = records[delta.request_id]
+            record.token_times.extend([now] * len(delta.token_ids))
+            if progress is not None:
+                progress.update(len(delta.token_ids))
+            if delta.finished:
+                unfinished -= 1
+                record.end = now
+                m = delta.metrics
+                if m is not None:
+                    record.usage = {"prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
+                                    "completion_tokens": m.num_generated_tokens}
+    duration = time.perf_counter() - t0
+    if progress is not None:
+        progress.close()
+    peak = engine.take_peak_blocks_used() / engine.num_blocks
+    return summarise(config, list(records.values()), duration, peak, engine.stats().num_preemptions - preemptions_before)
+
+
+__all__ = ["BenchConfig", "BenchReport", "WORKLOADS", "plan", "run_bench", "run_bench_in_process", "summarise"]

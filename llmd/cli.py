@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     start.add_argument("--quant", choices=QUANT_SCHEMES, default="auto", help=QUANT_HELP)
     start.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help=GROUP_HELP)
-    start.add_argument("--attention", choices=["auto", "torch", "triton"], default="auto",
-                       help="attention kernels: auto is Triton on CUDA, torch on the CPU (default: auto)")
+    start.add_argument("--attention", choices=["auto", "torch", "cpu", "triton"], default="auto",
+                       help="attention kernels: auto is Triton on CUDA, the native cpu kernel on the CPU "
+                            "(torch if it cannot be built); torch is the reference (default: auto)")
     start.add_argument("--kv-cache-mb", type=_positive_int, default=None,
                        help="memory for the KV cache (default: CPU 1024, at most a quarter of free RAM; "
                             "GPU what --gpu-memory-fraction leaves)")
@@ -153,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo-itl", type=float, default=None, metavar="S", help="goodput: largest inter-token gap")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
     bench.add_argument("--socket-dir", default=None, help="the daemon's runtime directory (default: per user)")
+    bench.add_argument("--in-process", action="store_true",
+                       help="run the engine in this process (llmd.LLM) instead of the daemon, to see what the "
+                            "daemon and its protocol cost")
+    bench.add_argument("--model", "-m", default=None,
+                       help="--in-process: the model (default: SmolLM2-135M); the daemon's options below too")
+    bench.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    bench.add_argument("--quant", choices=QUANT_SCHEMES, default="auto", help=QUANT_HELP)
+    bench.add_argument("--attention", choices=["auto", "torch", "cpu", "triton"], default="auto")
     bench.set_defaults(func=cmd_bench)
 
     status = sub.add_parser("status", help="is the daemon running, and how busy is it")
@@ -263,7 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from llmd.bench import BenchConfig, run_bench
+    from llmd.bench import BenchConfig, run_bench, run_bench_in_process
     from llmd.client import load_connection
 
     try:
@@ -273,8 +282,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              slo_itl=args.slo_itl)
     except ValueError as e:
         raise LlmdError(str(e)) from None
-    connection = load_connection(args.socket_dir)
-    report = asyncio.run(run_bench(connection, config, show_progress=sys.stderr.isatty()))
+    if args.in_process:
+        from llmd.daemon.engine.llm import LLM
+
+        try:
+            # The daemon's engine defaults (max_num_seqs 64, 512 batched tokens), so the two compare.
+            llm = LLM(args.model, dtype=args.dtype, quant=args.quant, attention=args.attention)
+        except ValueError as e:
+            raise LlmdError(str(e)) from None
+        report = run_bench_in_process(llm, config, show_progress=sys.stderr.isatty())
+    else:
+        connection = load_connection(args.socket_dir)
+        report = asyncio.run(run_bench(connection, config, show_progress=sys.stderr.isatty()))
     print(json.dumps(report.to_dict()) if args.json else report.table())
     return 1 if report.num_failed else 0
 

@@ -83,3 +83,25 @@ def test_runs_do_not_reuse_each_others_prompts_unless_seeded(daemon) -> None:
     assert first["seed"] != second["seed"] and second["cached_prompt_tokens"] == 0
     again = bench(daemon, *args, "--seed", str(first["seed"]))  # the same prompts: found in the cache
     assert again["cached_prompt_tokens"] >= 2 * 16
+
+
+@pytest.mark.parametrize("workload", ["streams", "prefix", "poisson"])
+def test_in_process_report_is_self_consistent(tmp_path, workload: str) -> None:
+    """`--in-process`: the same workloads against llmd.LLM, with the same accounting."""
+    model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "model", with_tokenizer=True)
+    out = subprocess.run([sys.executable, "-m", "llmd", "bench", "--in-process", "--model", str(model_dir), "--json",
+                          "--workload", workload, "--streams", "3", "--prompt-tokens", "6", "--output-tokens", "20",
+                          "--prefix-tokens", "40", "--requests", "4", "--rate", "50"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    n = 4 if workload == "poisson" else 3
+    assert r["num_requests"] == n and r["num_failed"] == 0
+    assert r["output_tokens"] == r["output_tokens_reported"]
+    if workload != "poisson":  # poisson draws mixed lengths
+        assert r["output_tokens"] == n * 20
+    assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+    assert 0 < r["ttft_p50"] <= r["ttft_p99"] <= r["e2e_p99"] <= r["duration_s"]
+    assert 0 < r["peak_kv_usage"] <= 1
+    if workload == "prefix":
+        assert r["cached_prompt_tokens"] >= n * 32  # the warm-up cached the prefix's full blocks of 16

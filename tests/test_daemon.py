@@ -88,7 +88,7 @@ def test_status_command(daemon, env) -> None:
     assert out.returncode == 0
     status = json.loads(out.stdout)
     assert status["running"] and status["pid"] == conn["pid"] and status["stats"]["num_blocks"] > 0
-    assert status["device"] == "cpu" and status["attention"] == "torch"
+    assert status["device"] == "cpu" and status["attention"] == "cpu"
 
 
 def test_stream_matches_in_process(daemon, reference) -> None:

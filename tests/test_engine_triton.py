@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
 
-from llmd.daemon.attention import (AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend,
-                                   make_attention_backend)
+from llmd.daemon.attention import (AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend,
+                                   TritonAttentionBackend, make_attention_backend)
 from llmd.daemon.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -75,10 +75,12 @@ def test_triton_backend_refuses_small_blocks(tmp_path: Path) -> None:
 
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert isinstance(make_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    assert isinstance(make_attention_backend("auto", "cpu"), CpuAttentionBackend)  # the library builds here
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        make_attention_backend("cpu", "cuda")
     assert isinstance(make_attention_backend("torch", "cuda"), TorchAttentionBackend)
     assert isinstance(make_attention_backend("triton", "cpu"), TritonAttentionBackend)  # TRITON_INTERPRET=1 here
-    with pytest.raises(ValueError, match="one of auto, torch, triton"):
+    with pytest.raises(ValueError, match="one of auto, torch, cpu, triton"):
         make_attention_backend("flash", "cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
     assert isinstance(make_attention_backend("auto", "cuda"), TorchAttentionBackend)  # with a warning

@@ -24,6 +24,14 @@ from llmd.quant.int4 import Int4Linear, dequantize_int4
 from llmd.quant.int8 import Int8Linear, dequantize_int8
 
 
+@pytest.fixture(autouse=True)
+def reference_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the weights each format holds, so they compare exact arithmetic: the
+    reference matmul (dequantise, multiply). The native kernels, which also quantise activations,
+    have their own tests (test_native_cpu_kernels.py)."""
+    monkeypatch.setenv("LLMD_NATIVE", "0")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_hf_model(make_hf_model("qwen2"), tmp_path_factory.mktemp("q") / "m", with_tokenizer=True)

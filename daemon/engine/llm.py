@@ -32,7 +32,7 @@ class LLM:
             it natively, else fp32), ``float32``, ``bfloat16`` or ``float16``.
         quant: ``auto`` (a GGUF's own blocks, else INT4), ``none``, ``int8``, ``int4``, ``nf4`` or
             ``bnb-int8`` for the projections; ``group_size`` 32/64/128 for int4/int8.
-        attention: ``auto`` (Triton kernels on CUDA, the torch reference on the CPU), ``torch`` or
+        attention: ``auto`` (Triton kernels on CUDA, the native kernel on the CPU), ``torch``, ``cpu`` or
             ``triton``.
         **engine_config: :class:`EngineConfig` fields (``num_blocks``, ``block_size``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).

@@ -1,7 +1,8 @@
-/* Decode attention over a paged fp32 KV cache: each query row is the newest token of its sequence.
+/* Decode attention over a paged KV cache: each query row is the newest token of its sequence.
  *
- * q [B, H, D], caches [num_blocks, block_size, KVH, D], block_tables [B, max_blocks] (int64),
- * seq_lens [B] (int32, the query token included), out [B, H, D]. A key is visible when
+ * q [B, H, D] fp32, caches [num_blocks, block_size, KVH, D] fp32 or bf16 (`cache_bf16`; a bf16
+ * value is the top half of an fp32 one, so it widens exactly), block_tables [B, max_blocks] (int64),
+ * seq_lens [B] (int32, the query token included), out [B, H, D] fp32. A key is visible when
  * k_pos >= seq_len - window (window 0: no sliding window).
  *
  * One task per (sequence, KV head): the GQA group's query heads share each key and value read.
@@ -12,41 +13,64 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(const void *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p);
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
+static inline float load1(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* dot(a, k) with a fp32 and k fp32 or bf16 */
+static inline float dot_k(const float *a, const void *k, int bf16, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
+    const size_t width = bf16 ? 2 : 4;
     __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)k + i * width, bf16), acc);
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     s = _mm_cvtss_f32(h);
 #endif
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += a[i] * load1(k, i, bf16);
     return s;
 }
 
-/* y += a * x */
-static inline void axpy_f32(float a, const float *x, float *y, int64_t n) {
+/* y += a * v, v fp32 or bf16 */
+static inline void axpy_v(float a, const void *v, int bf16, float *y, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
+    const size_t width = bf16 ? 2 : 4;
     const __m256 va = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8((const char *)v + i * width, bf16), _mm256_loadu_ps(y + i)));
 #endif
-    for (; i < n; i++) y[i] += a * x[i];
+    for (; i < n; i++) y[i] += a * load1(v, i, bf16);
 }
 
-void llmd_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+void llmd_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
                                  const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                                  int64_t window, float scale, float *out, int nthreads) {
     const int64_t group = H / KVH;
+    const size_t elem = cache_bf16 ? 2 : 4;
     const int64_t token_stride = KVH * D;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t task = 0; task < B * KVH; task++) {
@@ -62,9 +86,9 @@ void llmd_paged_decode_attention(const float *q, const float *k_cache, const flo
         }
         for (int64_t pos = start; pos < len; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const float *k = k_cache + slot * token_stride + kvh * D;
+            const char *k = (const char *)k_cache + (slot * token_stride + kvh * D) * elem;
             for (int64_t g = 0; g < group; g++)
-                scores[g * n + pos - start] = dot_f32(q + (b * H + kvh * group + g) * D, k, D) * scale;
+                scores[g * n + pos - start] = dot_k(q + (b * H + kvh * group + g) * D, k, cache_bf16, D) * scale;
         }
         for (int64_t g = 0; g < group; g++) {
             float *s = scores + g * n;
@@ -79,9 +103,9 @@ void llmd_paged_decode_attention(const float *q, const float *k_cache, const flo
         }
         for (int64_t pos = start; pos < len; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const float *v = v_cache + slot * token_stride + kvh * D;
+            const char *v = (const char *)v_cache + (slot * token_stride + kvh * D) * elem;
             for (int64_t g = 0; g < group; g++)
-                axpy_f32(scores[g * n + pos - start], v, out + (b * H + kvh * group + g) * D, D);
+                axpy_v(scores[g * n + pos - start], v, cache_bf16, out + (b * H + kvh * group + g) * D, D);
         }
         free(scores);
     }

@@ -1,0 +1,49 @@
+"""Decode attention over the paged KV cache in the native CPU library (kernels/cpu/paged_attention.c).
+
+Same contract as :func:`llmd.kernels.attention_ref.decode_attention`, its reference: one query row
+per sequence, the newest token. The cache may be fp32 or bf16; the arithmetic is fp32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from llmd.kernels.native import library
+
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: list[int],
+    block_tables: torch.Tensor, scale: float, sliding_window: int | None = None, lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """Attention for a batch of single-token queries.
+
+    Args:
+        query: ``[B, num_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fp32 or bf16.
+        seq_lens: context length per row (the query token included).
+        block_tables: ``[B, >= max blocks]`` block ids.
+        lib: another build of the library (tests).
+
+    Returns:
+        ``[B, num_heads, head_dim]`` in the query's dtype.
+    """
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the native decode attention reads fp32 or bf16 caches, not {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the native decode attention needs contiguous caches")
+    batch, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    q = query.float().contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
+    (lib or library()).llmd_paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
+        sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads(),
+    )
+    return out.to(query.dtype)
