@@ -41,9 +41,15 @@ static inline float dot_k(const float *a, const void *k, int bf16, int64_t n) {
     float s = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
     const size_t width = bf16 ? 2 : 4;
-    __m256 acc = _mm256_setzero_ps();
+    /* two accumulators: a head is 64-128 wide, so one chain of dependent FMAs would be latency-bound */
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)k + i * width, bf16), acc);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8((const char *)k + (i + 8) * width, bf16), acc2);
+    }
     for (; i + 8 <= n; i += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)k + i * width, bf16), acc);
+    acc = _mm256_add_ps(acc, acc2);
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
@@ -65,6 +71,18 @@ static inline void axpy_v(float a, const void *v, int bf16, float *y, int64_t n)
     for (; i < n; i++) y[i] += a * load1(v, i, bf16);
 }
 
+/* A cached K or V row as fp32: the cache itself when it is fp32, else widened into `buf` once, so
+ * that the group's query heads do not each convert it again. */
+static inline const float *row_f32(const char *src, int bf16, int64_t n, float *buf) {
+    if (!bf16) return (const float *)src;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, load8(src + 2 * i, 1));
+#endif
+    for (; i < n; i++) buf[i] = load1(src, i, 1);
+    return buf;
+}
+
 void llmd_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
                                  const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
@@ -80,15 +98,16 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
         const int64_t n = len - start;
         const int64_t *table = block_tables + b * max_blocks;
         float *scores = malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));
+        float *row = malloc(sizeof(float) * (size_t)D);
         for (int64_t g = 0; g < group; g++) {
             float *o = out + (b * H + kvh * group + g) * D;
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
         }
         for (int64_t pos = start; pos < len; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const char *k = (const char *)k_cache + (slot * token_stride + kvh * D) * elem;
+            const float *k = row_f32((const char *)k_cache + (slot * token_stride + kvh * D) * elem, cache_bf16, D, row);
             for (int64_t g = 0; g < group; g++)
-                scores[g * n + pos - start] = dot_k(q + (b * H + kvh * group + g) * D, k, cache_bf16, D) * scale;
+                scores[g * n + pos - start] = dot_k(q + (b * H + kvh * group + g) * D, k, 0, D) * scale;
         }
         for (int64_t g = 0; g < group; g++) {
             float *s = scores + g * n;
@@ -103,10 +122,11 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
         }
         for (int64_t pos = start; pos < len; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const char *v = (const char *)v_cache + (slot * token_stride + kvh * D) * elem;
+            const float *v = row_f32((const char *)v_cache + (slot * token_stride + kvh * D) * elem, cache_bf16, D, row);
             for (int64_t g = 0; g < group; g++)
-                axpy_v(scores[g * n + pos - start], v, cache_bf16, out + (b * H + kvh * group + g) * D, D);
+                axpy_v(scores[g * n + pos - start], v, 0, out + (b * H + kvh * group + g) * D, D);
         }
         free(scores);
+        free(row);
     }
 }
