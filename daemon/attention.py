@@ -105,7 +105,8 @@ class TorchAttentionBackend:
 class CpuAttentionBackend(TorchAttentionBackend):
     """The reference, with its decode rows (every row of a pure decode step) computed by the native
     library's paged decode kernel (llmd.kernels.attention_cpu): one call per layer instead of a
-    gather of every context into a padded tensor and a dozen torch ops. KV caches of fp32 or bf16."""
+    gather of every context into a padded tensor and a dozen torch ops. KV caches of fp32 or bf16;
+    any other dtype takes the reference throughout."""
 
     name = "cpu"
 
@@ -114,20 +115,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
         self._decode = attention_cpu.decode_attention
 
-    def unsupported(self, block_size: int, head_dim: int | None = None,
-                    dtype: torch.dtype | None = None) -> str | None:
-        from llmd.kernels.attention_cpu import CACHE_DTYPES
-
-        if dtype is not None and dtype not in CACHE_DTYPES:
-            return f"the cpu attention backend keeps its KV cache in fp32 or bf16, not {dtype}"
-        return None
-
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        from llmd.kernels.attention_cpu import CACHE_DTYPES
+
         k_cache, v_cache = kv_cache
+        if k_cache.dtype not in CACHE_DTYPES:  # e.g. --dtype float16: the reference reads any dtype
+            return super().forward(query, key, value, kv_cache, meta, scale, sliding_window)
         attention_ref.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
         if meta.max_query_len == 1:
             return self._decode(query, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, sliding_window)

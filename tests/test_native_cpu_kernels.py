@@ -207,3 +207,18 @@ def test_cpu_backend_generates_what_the_torch_backend_does(tmp_path, model: str)
     config = dict(num_blocks=96, block_size=16, max_num_batched_tokens=24)
     expected = run_engine(make_engine(model_dir, attention=TorchAttentionBackend(), **config), requests)
     assert run_engine(make_engine(model_dir, attention=CpuAttentionBackend(), **config), requests) == expected
+
+
+def test_cpu_backend_takes_the_reference_for_other_cache_dtypes() -> None:
+    """An fp16 cache (--dtype float16): no error, the reference's result."""
+    from llmd.daemon.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, n, 16, generator=g).half() for n in (4, 2, 2))
+    outs = []
+    for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
+        cache = (torch.zeros(4, 16, 2, 16, dtype=torch.float16), torch.zeros(4, 16, 2, 16, dtype=torch.float16))
+        meta = AttentionMetadata(slot_mapping=torch.tensor([0, 16]), query_lens=[1, 1], seq_lens=[1, 1],
+                                 block_tables=torch.tensor([[0], [1]]))
+        outs.append(backend.forward(q, k, v, cache, meta, 0.25, None))
+    assert torch.equal(outs[0], outs[1])
