@@ -85,6 +85,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def decode_fn(self, cache_dtype: torch.dtype) -> attention_ref.DecodeFn:
+        """What computes the decode rows over a cache of ``cache_dtype`` (the cpu backend plugs in
+        its native kernel here)."""
+        return attention_ref.decode_attention
+
     def unsupported(self, block_size: int, head_dim: int | None = None,
                     dtype: torch.dtype | None = None) -> str | None:
         return None
@@ -96,9 +101,12 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         attention_ref.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        decode = self.decode_fn(k_cache.dtype)
+        if meta.max_query_len == 1:
+            return decode(query, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, sliding_window)
         return attention_ref.paged_attention(
             query, k_cache, v_cache, meta.query_lens, meta.seq_lens, meta.block_tables, scale,
-            sliding_window,
+            sliding_window, decode=decode,
         )
 
 
@@ -110,28 +118,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def decode_fn(self, cache_dtype: torch.dtype) -> attention_ref.DecodeFn:
         from llmd.kernels import attention_cpu
 
-        self._decode = attention_cpu.decode_attention
-
-    def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        from llmd.kernels.attention_cpu import CACHE_DTYPES
-
-        k_cache, v_cache = kv_cache
-        if k_cache.dtype not in CACHE_DTYPES:  # e.g. --dtype float16: the reference reads any dtype
-            return super().forward(query, key, value, kv_cache, meta, scale, sliding_window)
-        attention_ref.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
-        if meta.max_query_len == 1:
-            return self._decode(query, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, sliding_window)
-        return attention_ref.paged_attention(
-            query, k_cache, v_cache, meta.query_lens, meta.seq_lens, meta.block_tables, scale,
-            sliding_window, decode=self._decode,
-        )
+        if cache_dtype in attention_cpu.CACHE_DTYPES:
+            return attention_cpu.decode_attention
+        return attention_ref.decode_attention  # e.g. --dtype float16: the reference reads any dtype
 
 
 def native_attention_usable() -> str | None:
