@@ -201,20 +201,15 @@ def make_attention_backend(name: str, device: str) -> AttentionBackend:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "torch":
         return TorchAttentionBackend()
-    if name == "cpu" or (name == "auto" and device == "cpu"):
-        if device != "cpu":
-            raise ValueError("--attention cpu runs on the CPU only (use --device cpu)")
-        reason = native_attention_usable()
-        if reason is None:
-            return CpuAttentionBackend()
-        if name == "auto":
-            log.warning("%s; attention runs on the slower torch reference path", reason)
-            return TorchAttentionBackend()
-        raise ValueError(f"--attention cpu: {reason}")
-    reason = triton_usable(device)
+    if name == "cpu" and device != "cpu":
+        raise ValueError("--attention cpu runs on the CPU only (use --device cpu)")
+    if device == "cpu" and name in ("auto", "cpu"):
+        backend, reason = CpuAttentionBackend, native_attention_usable()
+    else:
+        backend, reason = TritonAttentionBackend, triton_usable(device)
     if reason is None:
-        return TritonAttentionBackend()
+        return backend()
     if name == "auto":
         log.warning("%s; attention runs on the slow torch reference path", reason)
         return TorchAttentionBackend()
-    raise ValueError(f"--attention triton: {reason}")
+    raise ValueError(f"--attention {name}: {reason}")
