@@ -222,3 +222,30 @@ def test_cpu_backend_takes_the_reference_for_other_cache_dtypes() -> None:
                                  block_tables=torch.tensor([[0], [1]]))
         outs.append(backend.forward(q, k, v, cache, meta, 0.25, None))
     assert torch.equal(outs[0], outs[1])
+
+
+# -- RoPE ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 80])
+def test_rope_matches_reference_on_strided_views(lib, dtype, tokens: int) -> None:
+    """q and k as views into one fused qkv row, as the attention layer has them; rotated in place.
+    The same products and roundings as the reference: equal (fp32 bit for bit)."""
+    from llmd.daemon.config import RopeConfig
+    from llmd.daemon.models.layers import RotaryEmbedding, rope_torch
+    from llmd.kernels import rope_cpu
+
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, head_dim = 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    cos, sin = RotaryEmbedding(RopeConfig(), head_dim).cos_sin(torch.arange(100, 100 + tokens), dtype)
+    want_q, want_k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
+    assert rope_cpu.usable(q, cos) and rope_cpu.usable(k, cos)
+    rope_cpu.rope_(q, cos, sin, lib)
+    rope_cpu.rope_(k, cos, sin, lib)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmd.daemon.config import RopeConfig
+from llmd.kernels import rope_cpu
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +99,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by per-token ``cos``/``sin`` ``[T, head_dim]``."""
+    """Rotate ``x`` ``[T, heads, head_dim]`` by per-token ``cos``/``sin`` ``[T, head_dim]``. On the CPU
+    (native library) ``x`` is rotated in place and returned."""
+    if rope_cpu.usable(x, cos):
+        return rope_cpu.rope_(x, cos, sin)
+    return rope_torch(x, cos, sin)
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The reference rotate-half RoPE (out of place)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
