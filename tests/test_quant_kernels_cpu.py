@@ -46,3 +46,30 @@ def test_int8_linear_bf16_matches_reference(m: int, group_size: int | None) -> N
     assert rel_err(layer(x), ref) < 1e-5
     out = layer(x.bfloat16())
     assert out.shape == (2, m, n) and rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="torch's packed int4 path runs on CPUs with native bf16")
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 384)])  # 100: not a 64-row layout, no expansion
+def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) -> None:
+    """64+ rows: torch's packed int4 weight is expanded to dense bf16 (kernels/cpu/quant_gemm.c) for
+    a dense matmul. The expansion is checked bit for bit against torch's own kernel (the identity
+    times the weight), and the layer's output stays within bf16 rounding of the small-batch path."""
+    from llmd.kernels import native, quant_cpu
+
+    if native.library() is None:
+        pytest.skip("no native library")
+    g = torch.Generator().manual_seed(n)
+    qw = quantize_int4(torch.randn(n, k, generator=g), 32)
+    layer = Int4Linear.from_weight(qw)
+    layer.prepare(torch.bfloat16)
+    assert layer.cpu_dense_ok == (n % 64 == 0)
+    if layer.cpu_dense_ok:
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        by_torch = quant_cpu.int4_mm_cpu(eye, layer.cpu_packed, 32, layer.cpu_scales_zeros)
+        dense = quant_cpu.int4pack_to_bf16(layer.cpu_packed, layer.cpu_scales_zeros, layer.cpu_packed.shape[0], k, 32)
+        assert torch.equal(dense.t(), by_torch)
+    x = torch.randn(quant_cpu.DENSE_ROWS + 6, k, generator=g).bfloat16()
+    big = layer(x)  # one call over all rows: the dense path where it applies
+    small = torch.cat([layer(x[i:i + 8]) for i in range(0, len(x), 8)])  # torch's kernel
+    assert big.shape == small.shape == (len(x), n)
+    assert rel_err(big, small.float()) < 1e-2
