@@ -50,7 +50,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_int8_gemm": ([c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_int64, c_void_p,
                         c_int], None),
     "llmd_rope": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_int, c_int], None),
-    "llmd_int4pack_to_bf16": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int], None),
+    "llmd_int4pack_to_bf16_t": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int], None),
     "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_float, c_void_p, c_int], None),
 }

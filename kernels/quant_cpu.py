@@ -158,19 +158,20 @@ def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 DENSE_ROWS = 64
 
 
-def int4pack_to_bf16(packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, k: int, group_size: int,
-                     lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """The dense bf16 ``[n, k]`` weight (``n`` padded as packed) that torch's int4 kernel multiplies by."""
-    out = torch.empty(n, k, dtype=torch.bfloat16)
+def int4pack_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, k: int, group_size: int,
+                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The dense bf16 weight that torch's int4 kernel multiplies by, transposed: ``[k, n]`` (``n``
+    padded as packed), so ``x @ it`` is the layer's matmul."""
+    out = torch.empty(k, n, dtype=torch.bfloat16)
     sz = scales_and_zeros.to(torch.bfloat16).contiguous()
-    (lib or library()).llmd_int4pack_to_bf16(packed.data_ptr(), sz.data_ptr(), n, k, group_size, out.data_ptr(),
-                                             _threads())
+    (lib or library()).llmd_int4pack_to_bf16_t(packed.data_ptr(), sz.data_ptr(), n, k, group_size, out.data_ptr(),
+                                               _threads())
     return out
 
 
 @cache
 def int4pack_layout_known(n: int, k: int, group_size: int) -> bool:
-    """Whether :func:`int4pack_to_bf16` reads torch's packing of an ``[n, k]`` weight here: checked
+    """Whether :func:`int4pack_to_bf16_t` reads torch's packing of an ``[n, k]`` weight here: checked
     once per shape against torch's own kernel (a multiplication by the identity gives each weight as
     that kernel computes it), as its layout differs between torch's AVX2 and AVX-512 builds."""
     if n % 64 or library() is None:
@@ -180,7 +181,7 @@ def int4pack_layout_known(n: int, k: int, group_size: int) -> bool:
     sz = (torch.rand(k // group_size, n, 2, generator=g) - 0.5).to(torch.bfloat16)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     by_torch = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), packed, group_size, sz)
-    return torch.equal(int4pack_to_bf16(packed, sz, n, k, group_size).t(), by_torch)
+    return torch.equal(int4pack_to_bf16_t(packed, sz, n, k, group_size), by_torch)
 
 
 def int4_mm_cpu(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor

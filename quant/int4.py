@@ -135,9 +135,9 @@ class Int4Linear(QuantizedLinear):
 
             sz = self.cpu_scales_zeros
             if x2.shape[0] >= quant_cpu.DENSE_ROWS and self.cpu_dense_ok:  # a prompt chunk
-                weight = quant_cpu.int4pack_to_bf16(self.cpu_packed, sz, self.cpu_packed.shape[0], self.in_features,
-                                                    self.group_size)
-                out = F.linear(x2.to(torch.bfloat16), weight)
+                weight_t = quant_cpu.int4pack_to_bf16_t(self.cpu_packed, sz, self.cpu_packed.shape[0],
+                                                        self.in_features, self.group_size)
+                out = x2.to(torch.bfloat16) @ weight_t
             else:
                 out = quant_cpu.int4_mm_cpu(x2.to(sz.dtype), self.cpu_packed, self.group_size, sz)
             out = out[:, :self.out_features].to(x.dtype)

@@ -66,8 +66,9 @@ def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) ->
     if layer.cpu_dense_ok:
         eye = torch.eye(k, dtype=torch.bfloat16)
         by_torch = quant_cpu.int4_mm_cpu(eye, layer.cpu_packed, 32, layer.cpu_scales_zeros)
-        dense = quant_cpu.int4pack_to_bf16(layer.cpu_packed, layer.cpu_scales_zeros, layer.cpu_packed.shape[0], k, 32)
-        assert torch.equal(dense.t(), by_torch)
+        dense_t = quant_cpu.int4pack_to_bf16_t(layer.cpu_packed, layer.cpu_scales_zeros, layer.cpu_packed.shape[0],
+                                               k, 32)
+        assert torch.equal(dense_t, by_torch)
     x = torch.randn(quant_cpu.DENSE_ROWS + 6, k, generator=g).bfloat16()
     big = layer(x)  # one call over all rows: the dense path where it applies
     small = torch.cat([layer(x[i:i + 8]) for i in range(0, len(x), 8)])  # torch's kernel

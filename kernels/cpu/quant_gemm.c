@@ -221,11 +221,12 @@ void llmd_int8_gemm(const int8_t *xq, const float *xd, int64_t M, int64_t K, con
 }
 
 /* torch's CPU int4pack layout (torch._convert_weight_to_int4pack_for_cpu, AVX-512 builds) back to a
- * dense bf16 [N, K]: row n of 64-row block b, input k, is nibble n%64/32 (low, high) of byte
- * b*K*32 + k*32 + n%32, and w = fma(q - 8, scale, zero) with scales_zeros [K/group, N, 2] bf16, as
- * torch's kernel computes it, rounded to bf16. Prompt-sized batches multiply faster as a dense bf16
- * matmul than through torch's int4 kernel; llmd.kernels.quant_cpu checks the layout against torch's
- * own kernel before trusting this (other builds pack differently). N % 64 == 0. */
+ * dense bf16 weight, transposed: out_t [K, N]. Row n of 64-row block b, input k, is nibble
+ * n%64/32 (low, high) of byte b*K*32 + k*32 + n%32, and w = fma(q - 8, scale, zero) with
+ * scales_zeros [K/group, N, 2] bf16, as torch's kernel computes it, rounded to bf16. Transposed
+ * because then both the packed bytes and the output run along n. Prompt-sized batches multiply
+ * faster as a dense bf16 matmul than through torch's int4 kernel; llmd.kernels.quant_cpu checks the
+ * layout against torch's own kernel before trusting this (other builds pack differently). N % 64 == 0. */
 static inline float bf16_bits_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -233,21 +234,27 @@ static inline float bf16_bits_to_f32(uint16_t h) {
     return f;
 }
 
-void llmd_int4pack_to_bf16(const uint8_t *packed, const uint16_t *scales_zeros, int64_t N, int64_t K, int64_t group,
-                           uint16_t *out, int nthreads) {
+void llmd_int4pack_to_bf16_t(const uint8_t *packed, const uint16_t *scales_zeros, int64_t N, int64_t K,
+                             int64_t group, uint16_t *out_t, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t b = n / 64, r = n % 64, shift = r < 32 ? 0 : 4;
-        const uint8_t *src = packed + b * K * 32 + r % 32;
-        uint16_t *dst = out + n * K;
-        for (int64_t k = 0; k < K; k++) {
-            const float q = (float)((src[k * 32] >> shift) & 0x0f) - 8.0f;
-            const uint16_t *sz = scales_zeros + ((k / group) * N + n) * 2;
-            float w = fmaf(q, bf16_bits_to_f32(sz[0]), bf16_bits_to_f32(sz[1]));
-            uint32_t bits;
-            memcpy(&bits, &w, sizeof bits);
-            bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even (no NaN here) */
-            dst[k] = (uint16_t)(bits >> 16);
+    for (int64_t k = 0; k < K; k++) {
+        const uint16_t *sz = scales_zeros + (k / group) * N * 2;
+        uint16_t *dst = out_t + k * N;
+        for (int64_t b = 0; b < N / 64; b++) {
+            const uint8_t *src = packed + b * K * 32 + k * 32;
+            /* two straight loops (low nibbles: rows 0-31, high: 32-63) that the compiler vectorises */
+            for (int half = 0; half < 2; half++) {
+                const int64_t n0 = b * 64 + half * 32;
+                const int shift = half * 4;
+                for (int64_t r = 0; r < 32; r++) {
+                    const float q = (float)((src[r] >> shift) & 0x0f) - 8.0f;
+                    const float w = fmaf(q, bf16_bits_to_f32(sz[2 * (n0 + r)]), bf16_bits_to_f32(sz[2 * (n0 + r) + 1]));
+                    uint32_t bits;
+                    memcpy(&bits, &w, sizeof bits);
+                    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even (no NaN here) */
+                    dst[n0 + r] = (uint16_t)(bits >> 16);
+                }
+            }
         }
     }
 }
