@@ -5,8 +5,9 @@
  * seq_lens [B] (int32, the query token included), out [B, H, D] fp32. A key is visible when
  * k_pos >= seq_len - window (window 0: no sliding window).
  *
- * One task per (sequence, KV head): the GQA group's query heads share each key and value read.
- * Three passes per task (scores, softmax, weighted sum of V) instead of an online softmax: the
+ * One task per (sequence, KV head): the GQA group's query heads share each key and value read
+ * (bf16 rows are widened once per task). Per head three passes (scores eight keys at a time,
+ * softmax, a weighted sum of V accumulated in registers) instead of an online softmax: the
  * rescaling an online softmax needs per key costs more than keeping the scores (one float per
  * key and head). Matches llmd.kernels.attention_ref.decode_attention within fp32 rounding.
  */
@@ -59,18 +60,6 @@ static inline float dot_k(const float *a, const void *k, int bf16, int64_t n) {
     return s;
 }
 
-/* y += a * v, v fp32 or bf16 */
-static inline void axpy_v(float a, const void *v, int bf16, float *y, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    const size_t width = bf16 ? 2 : 4;
-    const __m256 va = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8((const char *)v + i * width, bf16), _mm256_loadu_ps(y + i)));
-#endif
-    for (; i < n; i++) y[i] += a * load1(v, i, bf16);
-}
-
 /* A cached K or V row as fp32: the cache itself when it is fp32, else widened into `buf` once, so
  * that the group's query heads do not each convert it again. */
 static inline const float *row_f32(const char *src, int bf16, int64_t n, float *buf) {
@@ -81,6 +70,53 @@ static inline const float *row_f32(const char *src, int bf16, int64_t n, float *
 #endif
     for (; i < n; i++) buf[i] = load1(src, i, 1);
     return buf;
+}
+
+/* s[i] = scale * dot(qh, rows[i]) for n rows of D. Eight keys at a time, their partial sums
+ * reduced together, instead of a horizontal sum per key. */
+static void scores_for(const float *qh, const float *const *rows, int64_t n, int64_t D, float scale, float *s) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        for (; i + 8 <= n; i += 8) {
+            __m256 p[8];
+            for (int j = 0; j < 8; j++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(rows[i + j] + d), acc);
+                p[j] = acc;
+            }
+            /* lane j <- the sum of p[j]'s lanes (see reduce8 in quant_gemm.c) */
+            const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+            const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+        }
+    }
+#endif
+    for (; i < n; i++) s[i] = dot_k(qh, rows[i], 0, D) * scale;
+}
+
+/* out[0:D] = sum_i p[i] * rows[i][0:D]. Accumulates 64 columns at a time in registers over all rows,
+ * storing once, instead of a load-add-store of the output per row. */
+static void weighted_sum(const float *const *rows, const float *p, int64_t n, int64_t D, float *out) {
+    int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const __m256 w = _mm256_set1_ps(p[i]);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[i] + d0 + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + d0 + 8 * j, acc[j]);
+    }
+#endif
+    for (; d0 < D; d0++) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < n; i++) acc += p[i] * rows[i][d0];
+        out[d0] = acc;
+    }
 }
 
 void llmd_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
@@ -97,36 +133,36 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
         const int64_t start = window > 0 && len > window ? len - window : 0;
         const int64_t n = len - start;
         const int64_t *table = block_tables + b * max_blocks;
-        float *scores = malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));
-        float *row = malloc(sizeof(float) * (size_t)D);
-        for (int64_t g = 0; g < group; g++) {
-            float *o = out + (b * H + kvh * group + g) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        }
+        const int64_t rows_n = n > 0 ? n : 1;
+        float *scores = malloc(sizeof(float) * (size_t)(group * rows_n));
+        /* K and V rows as fp32: the cache's own rows, or widened once for the whole group (bf16 caches) */
+        const float **k_rows = malloc(sizeof(float *) * (size_t)rows_n);
+        const float **v_rows = malloc(sizeof(float *) * (size_t)rows_n);
+        float *k_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(rows_n * D)) : NULL;
+        float *v_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(rows_n * D)) : NULL;
         for (int64_t pos = start; pos < len; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const float *k = row_f32((const char *)k_cache + (slot * token_stride + kvh * D) * elem, cache_bf16, D, row);
-            for (int64_t g = 0; g < group; g++)
-                scores[g * n + pos - start] = dot_k(q + (b * H + kvh * group + g) * D, k, 0, D) * scale;
+            const int64_t offset = (slot * token_stride + kvh * D) * (int64_t)elem, i = pos - start;
+            k_rows[i] = row_f32((const char *)k_cache + offset, cache_bf16, D, cache_bf16 ? k_widened + i * D : NULL);
+            v_rows[i] = row_f32((const char *)v_cache + offset, cache_bf16, D, cache_bf16 ? v_widened + i * D : NULL);
         }
         for (int64_t g = 0; g < group; g++) {
             float *s = scores + g * n;
+            scores_for(q + (b * H + kvh * group + g) * D, k_rows, n, D, scale, s);
             float mx = -INFINITY, total = 0.0f;
-            for (int64_t i = 0; i < n; i++) mx = fmaxf(mx, s[i]);
+            for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
             for (int64_t i = 0; i < n; i++) {
                 s[i] = expf(s[i] - mx);
                 total += s[i];
             }
             const float inv = n > 0 ? 1.0f / total : 0.0f;
             for (int64_t i = 0; i < n; i++) s[i] *= inv;
-        }
-        for (int64_t pos = start; pos < len; pos++) {
-            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const float *v = row_f32((const char *)v_cache + (slot * token_stride + kvh * D) * elem, cache_bf16, D, row);
-            for (int64_t g = 0; g < group; g++)
-                axpy_v(scores[g * n + pos - start], v, 0, out + (b * H + kvh * group + g) * D, D);
+            weighted_sum(v_rows, s, n, D, out + (b * H + kvh * group + g) * D);
         }
         free(scores);
-        free(row);
+        free(k_rows);
+        free(v_rows);
+        free(k_widened);
+        free(v_widened);
     }
 }
