@@ -36,6 +36,10 @@ static inline float load1(const void *p, int64_t i, int bf16) {
     return f;
 }
 
+/* K/V rows ahead of the one being widened to prefetch: they live in scattered blocks, so the
+ * hardware prefetcher alone stalls at every block boundary. */
+#define PREFETCH_AHEAD 8
+
 /* dot(a, k) with a fp32 and k fp32 or bf16 */
 static inline float dot_k(const float *a, const void *k, int bf16, int64_t n) {
     int64_t i = 0;
@@ -143,6 +147,15 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
         for (int64_t pos = start; pos < len; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
             const int64_t offset = (slot * token_stride + kvh * D) * (int64_t)elem, i = pos - start;
+            if (pos + PREFETCH_AHEAD < len) { /* the cache is read once per step: mostly from DRAM */
+                const int64_t ahead = pos + PREFETCH_AHEAD;
+                const int64_t next = ((table[ahead / block_size] * block_size + ahead % block_size) * token_stride
+                                      + kvh * D) * (int64_t)elem;
+                for (int64_t byte = 0; byte < D * (int64_t)elem; byte += 64) {
+                    __builtin_prefetch((const char *)k_cache + next + byte);
+                    __builtin_prefetch((const char *)v_cache + next + byte);
+                }
+            }
             k_rows[i] = row_f32((const char *)k_cache + offset, cache_bf16, D, cache_bf16 ? k_widened + i * D : NULL);
             v_rows[i] = row_f32((const char *)v_cache + offset, cache_bf16, D, cache_bf16 ? v_widened + i * D : NULL);
         }
