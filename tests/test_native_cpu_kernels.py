@@ -249,3 +249,25 @@ def test_rope_matches_reference_on_strided_views(lib, dtype, tokens: int) -> Non
     rope_cpu.rope_(k, cos, sin, lib)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens,num_kv_heads", [([300], 3), ([700, 1], 1), ([600], 1)])
+@pytest.mark.parametrize("window", [None, 250])
+def test_decode_attention_split_over_keys_matches_reference(lib, cache_dtype, seq_lens: list[int],
+                                                            num_kv_heads: int, window: int | None) -> None:
+    """Few (sequence, KV head) pairs and long contexts: the kernel splits each context's keys between
+    threads and combines the parts; a short sequence next to a long one leaves some parts empty."""
+    from llmd.kernels import attention_cpu, attention_ref
+
+    g = torch.Generator().manual_seed(sum(seq_lens) + num_kv_heads)
+    block_size, head_dim, num_heads = 16, 64, 3 * num_kv_heads
+    width = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * width + 4
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    tables = torch.randperm(num_blocks, generator=g)[:len(seq_lens) * width].reshape(len(seq_lens), width)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    got = attention_cpu.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window, lib)
+    want = attention_ref.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,9 @@
  * (bf16 rows are widened once per task). Per head three passes (scores eight keys at a time,
  * softmax, a weighted sum of V accumulated in registers) instead of an online softmax: the
  * rescaling an online softmax needs per key costs more than keeping the scores (one float per
- * key and head). Matches llmd.kernels.attention_ref.decode_attention within fp32 rounding.
+ * key and head). With fewer (sequence, KV head) pairs than twice the threads (one stream), each
+ * context's keys are split between tasks and the parts combined by log-sum-exp. Matches
+ * llmd.kernels.attention_ref.decode_attention within fp32 rounding.
  */
 #include <math.h>
 #include <stdint.h>
@@ -123,6 +125,10 @@ static void weighted_sum(const float *const *rows, const float *p, int64_t n, in
     }
 }
 
+/* Keys of one (sequence, KV head) split between this many tasks when there are too few such pairs
+ * to keep every thread busy (one stream has only KVH of them); each split needs this many keys. */
+#define MIN_SPLIT_KEYS 64
+
 void llmd_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
                                  const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
@@ -130,12 +136,21 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
     const int64_t group = H / KVH;
     const size_t elem = cache_bf16 ? 2 : 4;
     const int64_t token_stride = KVH * D;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int64_t splits = 1;
+    while (B * KVH * splits < 2 * nthreads && max_len / (splits * 2) >= MIN_SPLIT_KEYS) splits *= 2;
+    /* per split and query head: the running max, the sum of exponentials and the unnormalised output */
+    float *partial = splits > 1 ? malloc(sizeof(float) * (size_t)(B * H * splits * (D + 2))) : NULL;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KVH; task++) {
-        const int64_t b = task / KVH, kvh = task % KVH;
+    for (int64_t task = 0; task < B * KVH * splits; task++) {
+        const int64_t b = task / (KVH * splits), kvh = task / splits % KVH, split = task % splits;
         const int64_t len = seq_lens[b];
-        const int64_t start = window > 0 && len > window ? len - window : 0;
-        const int64_t n = len - start;
+        const int64_t first = window > 0 && len > window ? len - window : 0;
+        const int64_t chunk = (len - first + splits - 1) / splits;
+        const int64_t start = first + split * chunk < len ? first + split * chunk : len;
+        const int64_t end = start + chunk < len ? start + chunk : len;
+        const int64_t n = end - start;
         const int64_t *table = block_tables + b * max_blocks;
         const int64_t rows_n = n > 0 ? n : 1;
         float *scores = malloc(sizeof(float) * (size_t)(group * rows_n));
@@ -144,10 +159,10 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
         const float **v_rows = malloc(sizeof(float *) * (size_t)rows_n);
         float *k_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(rows_n * D)) : NULL;
         float *v_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(rows_n * D)) : NULL;
-        for (int64_t pos = start; pos < len; pos++) {
+        for (int64_t pos = start; pos < end; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
             const int64_t offset = (slot * token_stride + kvh * D) * (int64_t)elem, i = pos - start;
-            if (pos + PREFETCH_AHEAD < len) { /* the cache is read once per step: mostly from DRAM */
+            if (pos + PREFETCH_AHEAD < end) { /* the cache is read once per step: mostly from DRAM */
                 const int64_t ahead = pos + PREFETCH_AHEAD;
                 const int64_t next = ((table[ahead / block_size] * block_size + ahead % block_size) * token_stride
                                       + kvh * D) * (int64_t)elem;
@@ -160,22 +175,49 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
             v_rows[i] = row_f32((const char *)v_cache + offset, cache_bf16, D, cache_bf16 ? v_widened + i * D : NULL);
         }
         for (int64_t g = 0; g < group; g++) {
+            const int64_t h = kvh * group + g;
             float *s = scores + g * n;
-            scores_for(q + (b * H + kvh * group + g) * D, k_rows, n, D, scale, s);
+            scores_for(q + (b * H + h) * D, k_rows, n, D, scale, s);
             float mx = -INFINITY, total = 0.0f;
             for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
             for (int64_t i = 0; i < n; i++) {
                 s[i] = expf(s[i] - mx);
                 total += s[i];
             }
-            const float inv = n > 0 ? 1.0f / total : 0.0f;
-            for (int64_t i = 0; i < n; i++) s[i] *= inv;
-            weighted_sum(v_rows, s, n, D, out + (b * H + kvh * group + g) * D);
+            if (splits == 1) {
+                const float inv = n > 0 ? 1.0f / total : 0.0f;
+                for (int64_t i = 0; i < n; i++) s[i] *= inv;
+                weighted_sum(v_rows, s, n, D, out + (b * H + h) * D);
+            } else { /* combined below */
+                float *part = partial + ((b * H + h) * splits + split) * (D + 2);
+                part[0] = mx;
+                part[1] = total;
+                weighted_sum(v_rows, s, n, D, part + 2);
+            }
         }
         free(scores);
         free(k_rows);
         free(v_rows);
         free(k_widened);
         free(v_widened);
+    }
+    if (splits > 1) {
+        /* log-sum-exp combination: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s */
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            const float *parts = partial + bh * splits * (D + 2);
+            float mx = -INFINITY, total = 0.0f;
+            for (int64_t sp = 0; sp < splits; sp++) mx = parts[sp * (D + 2)] > mx ? parts[sp * (D + 2)] : mx;
+            float *o = out + bh * D;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t sp = 0; sp < splits; sp++) {
+                const float *part = parts + sp * (D + 2);
+                if (part[1] == 0.0f) continue; /* an empty split (fewer keys than splits) */
+                const float w = expf(part[0] - mx);
+                total += w * part[1];
+                for (int64_t d = 0; d < D; d++) o[d] += w * part[2 + d];
+            }
+            for (int64_t d = 0; d < D; d++) o[d] /= total;
+        }
+        free(partial);
     }
 }
