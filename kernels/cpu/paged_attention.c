@@ -78,25 +78,30 @@ static inline const float *row_f32(const char *src, int bf16, int64_t n, float *
     return buf;
 }
 
-/* s[i] = scale * dot(qh, rows[i]) for n rows of D. Eight keys at a time, their partial sums
- * reduced together, instead of a horizontal sum per key. */
+/* s[i] = scale * dot(qh, rows[i]) for n rows of D. Four keys at a time, their partial sums reduced
+ * together (one 4x4 transpose) instead of a horizontal sum per key, in exactly dot_k's order of
+ * additions, so the scores do not depend on which path computed them. */
 static void scores_for(const float *qh, const float *const *rows, int64_t n, int64_t D, float scale, float *s) {
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {
-        for (; i + 8 <= n; i += 8) {
-            __m256 p[8];
-            for (int j = 0; j < 8; j++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t d = 0; d < D; d += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(rows[i + j] + d), acc);
-                p[j] = acc;
+        for (; i + 4 <= n; i += 4) {
+            __m128 h[4];
+            for (int j = 0; j < 4; j++) {
+                const float *k = rows[i + j];
+                __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+                int64_t d = 0;
+                for (; d + 16 <= D; d += 16) {
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), acc);
+                    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(k + d + 8), acc2);
+                }
+                for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), acc);
+                acc = _mm256_add_ps(acc, acc2);
+                h[j] = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
             }
-            /* lane j <- the sum of p[j]'s lanes (see reduce8 in quant_gemm.c) */
-            const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
-            const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
-            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-            _mm256_storeu_ps(s + i, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+            _MM_TRANSPOSE4_PS(h[0], h[1], h[2], h[3]); /* h[l] = lane l of the four keys */
+            const __m128 sums = _mm_add_ps(_mm_add_ps(h[0], h[2]), _mm_add_ps(h[1], h[3]));
+            _mm_storeu_ps(s + i, _mm_mul_ps(sums, _mm_set1_ps(scale)));
         }
     }
 #endif
