@@ -96,6 +96,9 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     except ValueError as e:
         raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
     blocks = gguf_blocks_wanted(plan, gguf_types) if gguf_types is not None else set()
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    if gguf_types is not None and gguf_types.get(head_name) == "Q8_0":
+        blocks.add(head_name)  # kept as blocks for the Q8 head kernel (LlamaForCausalLM.prepare_head)
     # INT4 projections that are requantised are loaded dense, then fitted with calibration.
     calibrated = calibrated_paths(plan, blocks)
     if gguf_types is not None:

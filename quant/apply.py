@@ -218,6 +218,10 @@ def prepare(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)):
             module.prepare(model.dtype)
+    model.prepare_head()
+
+
+HEAD_Q8 = "int8 g32 LM head"  # weight_memory's key for the head's Q8_0 blocks (LlamaForCausalLM.head_q8)
 
 
 def weight_memory(model: nn.Module) -> dict[str, int]:
@@ -243,6 +247,9 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
         out[key] = out.get(key, 0) + nbytes
         counted.update(id(t) for t in tensors)
+    head_q8 = getattr(model, "head_q8", None)
+    if head_q8 is not None:
+        out[HEAD_Q8] = head_q8.nbytes
     for t in model.parameters():  # buffers outside quantised modules are caches (RoPE), not weights
         if id(t) not in counted:
             key = f"dense {str(t.dtype).removeprefix('torch.')}"
@@ -253,17 +260,20 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
 def describe_quant(model: nn.Module, quant: QuantConfig) -> str:
     """What ``--quant`` made of ``model``: ``int4 g32 projections (--quant auto); embeddings, norms and
     LM head bfloat16``."""
-    formats = sorted(k for k in weight_memory(model) if not k.startswith("dense "))
+    memory = weight_memory(model)
+    formats = sorted(k for k in memory if not k.startswith("dense ") and k != HEAD_Q8)
     dense = str(model.dtype).removeprefix("torch.")
+    head = "; LM head int8 g32 (the checkpoint's Q8_0)" if HEAD_Q8 in memory else ""
     if not formats:
-        return f"none (--quant {quant.scheme}): all weights {dense}"
-    return f"{' + '.join(formats)} projections (--quant {quant.scheme}); embeddings, norms and LM head {dense}"
+        return f"none (--quant {quant.scheme}): all weights {dense}{head}"
+    rest = "embeddings and norms" if head else "embeddings, norms and LM head"
+    return f"{' + '.join(formats)} projections (--quant {quant.scheme}); {rest} {dense}{head}"
 
 
 def describe(memory: Mapping[str, int]) -> str:
     """One line: ``62 MiB int4 g32 projections, 57 MiB dense bfloat16 (embeddings, norms)``."""
     parts = []
     for key, nbytes in sorted(memory.items(), key=lambda kv: -kv[1]):
-        what = "(embeddings, norms)" if key.startswith("dense") else "projections"
-        parts.append(f"{nbytes / 2**20:.0f} MiB {key} {what}")
+        what = "(embeddings, norms)" if key.startswith("dense") else "" if key == HEAD_Q8 else "projections"
+        parts.append(f"{nbytes / 2**20:.0f} MiB {key} {what}".rstrip())
     return ", ".join(parts)

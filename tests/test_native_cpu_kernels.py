@@ -9,7 +9,7 @@ import ctypes
 import pytest
 import torch
 
-from llmd.kernels import native, quant_cpu
+from llmd.kernels import native, q8_head, quant_cpu
 from llmd.quant.common import pack_int4
 from llmd.quant.int4 import Int4Linear, Int4Weight, dequantize_int4, quantize_int4
 from llmd.quant.int8 import Int8Linear, Int8Weight, quantize_int8
@@ -271,3 +271,48 @@ def test_decode_attention_split_over_keys_matches_reference(lib, cache_dtype, se
     got = attention_cpu.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window, lib)
     want = attention_ref.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# The Q8_0 LM head (kernels/cpu/q8_head.c): N not a multiple of the 4-row tile, M around the
+# 2-row tile, K from one group up.
+Q8_HEAD_SHAPES = [(1, 1, 32), (1, 4099, 576), (2, 33, 64), (3, 130, 96), (5, 7, 1536), (17, 50, 288)]
+
+
+def q8_head_inputs(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n * k + m)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    return x, q, d
+
+
+@pytest.mark.parametrize("m,n,k", Q8_HEAD_SHAPES)
+def test_q8_head_matches_reference_within_fp32_rounding(lib, m: int, n: int, k: int) -> None:
+    x, q, d = q8_head_inputs(m, n, k)
+    got = q8_head.q8_head(x, q, d, lib)
+    weight = (q.double().reshape(n, k // 32, 32) * d.double()[..., None]).reshape(n, k)
+    exact = x.double() @ weight.t()
+    # fp32 sums of k products: each step rounds by at most 2^-24 of the running magnitude
+    bound = k * 2.0 ** -24 * (x.double().abs() @ weight.abs().t())
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((got.double() - q8_head.q8_head_ref(x, q, d).double()).abs() <= 2 * bound).all()
+
+
+@pytest.mark.parametrize("m,n,k", Q8_HEAD_SHAPES)
+def test_q8_head_bits_do_not_depend_on_build_batch_or_threads(lib, m: int, n: int, k: int) -> None:
+    """One order of additions everywhere: the portable build equals the AVX build bit for bit, a row
+    alone equals the same row in a batch, and one thread equals two."""
+    x, q, d = q8_head_inputs(m, n, k)
+    got = q8_head.q8_head(x, q, d, lib)
+    assert torch.equal(got, q8_head.q8_head(x, q, d, native.library()))
+    for i in range(m):
+        assert torch.equal(q8_head.q8_head(x[i:i + 1], q, d, lib), got[i:i + 1])
+    one_thread = torch.empty(m, n)
+    xf = x.float().contiguous()
+    lib.llmd_q8_head(xf.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), n, one_thread.data_ptr(), 1)
+    assert torch.equal(one_thread, got)
+
+
+def test_q8_head_usable_only_for_shapes_the_kernel_takes() -> None:
+    assert q8_head.usable(576, 32) == (native.library() is not None)
+    assert not q8_head.usable(576, 64) and not q8_head.usable(48, 32) and not q8_head.usable(16384, 32)

@@ -12,7 +12,7 @@ from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.kernels import native
-from llmd.quant.apply import PROJECTIONS, QuantConfig, weight_memory
+from llmd.quant.apply import HEAD_Q8, PROJECTIONS, QuantConfig, weight_memory
 from llmd.quant.int4 import Int4Linear
 
 pytestmark = pytest.mark.slow
@@ -119,5 +119,28 @@ def test_native_q4_1_projections_hold_under_a_fifth_of_fp32(dtype, native_fp32, 
     native = native_fp32 if dtype == torch.float32 else llm_bf16.engine.model
     fp32 = sum(4 * p.in_features * p.out_features for p in projections(native))
     held = weight_memory(native)
-    assert set(held) == {"int4 g32", f"dense {str(dtype).removeprefix('torch.')}"}
+    head = {HEAD_Q8} if native.head_q8 is not None else set()
+    assert set(held) == {"int4 g32", f"dense {str(dtype).removeprefix('torch.')}"} | head
     assert held["int4 g32"] <= 0.2 * fp32
+
+
+def test_the_bf16_model_computes_logits_from_the_checkpoints_q8_head(llm_bf16, dense_fp32, native_fp32,
+                                                                    prompts) -> None:
+    """The GGUF's head (the tied embedding) is Q8_0. In bf16 the model keeps those blocks and its
+    logits are the exact head's (the fp32 model's dense head holds d * q exactly) up to fp32
+    rounding, where a bf16 copy of the head is off by ~1e-2; fp32 models keep their dense head."""
+    bf16 = llm_bf16.engine.model
+    assert dense_fp32.head_q8 is None and native_fp32.head_q8 is None
+    if native.library() is None:
+        assert bf16.head_q8 is None
+        return
+    assert bf16.head_q8 is not None and bf16.head_q8.qweight.dtype == torch.int8
+    assert weight_memory(bf16)[HEAD_Q8] == 49152 * 576 + 49152 * 18 * 2
+    gen = Generator(dense_fp32)
+    hidden = gen._forward(prompts[0], 0, gen._new_cache(len(prompts[0]))).to(torch.bfloat16)
+    exact = dense_fp32.compute_logits(hidden.float())
+    got = bf16.compute_logits(hidden)
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert (got - exact).abs().max() < 2e-4
+    rounded = torch.nn.functional.linear(hidden, bf16.model.embed_tokens.weight).float()
+    assert (rounded - exact).abs().max() > 20 * (got - exact).abs().max()

@@ -23,6 +23,7 @@ from llmd.daemon.attention import AttentionBackend, AttentionMetadata, TorchAtte
 from llmd.daemon.config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, RMSNorm, RotaryEmbedding, apply_rope, dense_linear
 from llmd.errors import WeightMismatchError
+from llmd.quant.int8 import Int8Weight, dequantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        # The head's Q8_0 blocks when the checkpoint has them (GGUF): kept by load_weights, used
+        # from prepare_head() on where the native kernel pays.
+        self._head_blocks: Int8Weight | None = None
+        self.head_q8: Int8Weight | None = None
+
+    @property
+    def head_name(self) -> str:
+        """The checkpoint name of the output head's weight (the embedding when tied)."""
+        return "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -156,14 +166,31 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab_size]`` (fp32) for the rows of ``hidden`` that will be sampled."""
+        if self.head_q8 is not None:
+            from llmd.kernels.q8_head import q8_head
+
+            return q8_head(hidden, self.head_q8.qweight, self.head_q8.scales)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def prepare_head(self) -> None:
+        """Once loaded: keep the head's Q8_0 blocks for the native kernel (llmd.kernels.q8_head) where
+        the dense head is a rounded copy of them (bf16/fp16 on the CPU); drop them elsewhere. In fp32
+        the dense head holds the checkpoint's values exactly, and torch's matmul stays the reference."""
+        from llmd.kernels.q8_head import usable
+
+        q8, self._head_blocks = self._head_blocks, None
+        device = self.model.embed_tokens.weight.device
+        if q8 is not None and self.dtype != torch.float32 and device.type == "cpu" and usable(q8.shape[1], q8.group_size):
+            self.head_q8 = q8
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters.
 
         A quantised projection (a module with ``load_rows``) takes its part of the weight as it
-        comes: a dense tensor, which it quantises, or quantised blocks, which it copies.
+        comes: a dense tensor, which it quantises, or quantised blocks, which it copies. The output
+        head may come as INT8 blocks (GGUF Q8_0): they are kept for :meth:`prepare_head` besides the
+        dense copy.
 
         Raises:
             WeightMismatchError: a tensor's shape disagrees with the config, or a parameter is
@@ -177,6 +204,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
+            if isinstance(tensor, Int8Weight) and name == self.head_name:
+                self._head_blocks = tensor
+                tensor = dequantize_int8(tensor)
             target_name, shard = name, None
             if m := _FUSED_RE.match(name):
                 target, shard = _FUSED[m.group(2)]
