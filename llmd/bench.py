@@ -158,6 +158,15 @@ class BenchReport:
         return "\n".join(f"{name:<12} {value}" for name, value in rows)
 
 
+@dataclass(slots=True)
+class BenchRun:
+    """A finished run: its report, and what it was made from (for ``--plot``)."""
+
+    report: BenchReport
+    records: list[RequestRecord]
+    t0: float  # time.perf_counter() at the start of the measured requests
+
+
 def summarise(config: BenchConfig, records: list[RequestRecord], duration: float, peak_kv: float,
               preemptions: int) -> BenchReport:
     ok = [r for r in records if r.error is None]
@@ -216,7 +225,7 @@ async def _peak_kv(client: Any, box: list[float]) -> None:
         box[0] = max(box[0], stats.get("num_blocks_used_peak", stats.get("num_blocks_used", 0)) / blocks)
 
 
-async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progress: bool = False) -> BenchReport:
+async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progress: bool = False) -> BenchRun:
     """Run ``config`` against the daemon of ``connection``."""
     from llmd.client import AsyncClient, Client
 
@@ -252,10 +261,10 @@ async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progre
         progress.close()
     with Client(connection=connection) as sync:
         preemptions = sync.stats()["num_preemptions"] - preemptions_before
-    return summarise(config, records, duration, peak[0], preemptions)
+    return BenchRun(summarise(config, records, duration, peak[0], preemptions), records, t0)
 
 
-def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = False) -> BenchReport:
+def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = False) -> BenchRun:
     """Run ``config`` against ``llm`` (an :class:`llmd.LLM`) in this process: the engine without the
     daemon, its socket and the client, so the difference to :func:`run_bench` is what they cost."""
     from llmd import SamplingParams
@@ -304,7 +313,9 @@ def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = Fa
     if progress is not None:
         progress.close()
     peak = engine.take_peak_blocks_used() / engine.num_blocks
-    return summarise(config, list(records.values()), duration, peak, engine.stats().num_preemptions - preemptions_before)
+    done = list(records.values())
+    return BenchRun(summarise(config, done, duration, peak, engine.stats().num_preemptions - preemptions_before),
+                    done, t0)
 
 
-__all__ = ["BenchConfig", "BenchReport", "WORKLOADS", "plan", "run_bench", "run_bench_in_process", "summarise"]
+__all__ = ["BenchConfig", "BenchReport", "BenchRun", "WORKLOADS", "plan", "run_bench", "run_bench_in_process", "summarise"]

@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="goodput: time to first token")
     bench.add_argument("--slo-itl", type=float, default=None, metavar="S", help="goodput: largest inter-token gap")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    bench.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="also draw the latency distributions and throughput over time (needs matplotlib)")
     bench.add_argument("--socket-dir", default=None, help="the daemon's runtime directory (default: per user)")
     bench.add_argument("--in-process", action="store_true",
                        help="run the engine in this process (llmd.LLM) instead of the daemon, to see what the "
@@ -282,6 +284,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              slo_itl=args.slo_itl)
     except ValueError as e:
         raise LlmdError(str(e)) from None
+    plot_path = None
+    if args.plot is not None:
+        from llmd.bench_plot import check_plot_path
+
+        plot_path = check_plot_path(args.plot)
     if args.in_process:
         from llmd.daemon.engine.llm import LLM
 
@@ -290,11 +297,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             llm = LLM(args.model, dtype=args.dtype, quant=args.quant, attention=args.attention)
         except ValueError as e:
             raise LlmdError(str(e)) from None
-        report = run_bench_in_process(llm, config, show_progress=sys.stderr.isatty())
+        run = run_bench_in_process(llm, config, show_progress=sys.stderr.isatty())
     else:
         connection = load_connection(args.socket_dir)
-        report = asyncio.run(run_bench(connection, config, show_progress=sys.stderr.isatty()))
+        run = asyncio.run(run_bench(connection, config, show_progress=sys.stderr.isatty()))
+    report = run.report
     print(json.dumps(report.to_dict()) if args.json else report.table())
+    if plot_path is not None:
+        from llmd.bench_plot import plot
+
+        plot(run, plot_path)
+        if not args.json:
+            print(f"{'plot':<12} {plot_path}")
     return 1 if report.num_failed else 0
 
 

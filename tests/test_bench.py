@@ -11,7 +11,8 @@ import pytest
 from daemon_helpers import daemon_env, start_daemon, stop_daemon
 from tiny_models import make_hf_model, save_hf_model
 
-from llmd.bench import BenchConfig, plan
+from llmd.bench import BenchConfig, RequestRecord, plan
+from llmd.bench_plot import throughput_over_time
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +106,32 @@ def test_in_process_report_is_self_consistent(tmp_path, workload: str) -> None:
     assert 0 < r["peak_kv_usage"] <= 1
     if workload == "prefix":
         assert r["cached_prompt_tokens"] >= n * 32  # the warm-up cached the prefix's full blocks of 16
+
+
+def test_plot_draws_the_run(daemon, tmp_path) -> None:
+    path = tmp_path / "run.png"
+    r = bench(daemon, "--streams", "3", "--prompt-tokens", "8", "--output-tokens", "12", "--plot", str(path))
+    assert r["output_tokens"] == 36
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # four drawn panels, not an empty canvas
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1100, 750)
+
+
+@pytest.mark.parametrize("name,message", [("run.txt", "must end in .png"), ("no-such-dir/run.png", "does not exist")])
+def test_a_bad_plot_path_fails_before_the_run(tmp_path, name: str, message: str) -> None:
+    # No daemon and no model: the path is checked first, so this fails at once with one line.
+    out = subprocess.run([sys.executable, "-m", "llmd", "bench", "--socket-dir", str(tmp_path / "none"),
+                          "--plot", str(tmp_path / name)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and message in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_throughput_over_time_counts_every_token() -> None:
+    records = [RequestRecord(sent=10.0, token_times=[10.2, 10.7, 11.0, 12.0], end=12.0),
+               RequestRecord(sent=10.5, token_times=[10.9, 11.4], end=11.4)]
+    starts, tok_s, in_flight = throughput_over_time(records, t0=10.0, duration=2.0, bin_s=0.5)
+    assert starts == [0.0, 0.5, 1.0, 1.5]
+    assert sum(v * 0.5 for v in tok_s) == 6  # every token in some bin (12.0, at the very end, in the last)
+    assert tok_s == [2.0, 4.0, 4.0, 2.0]
+    assert in_flight == [1, 2, 2, 1]
