@@ -35,7 +35,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours, see above)
 log = logging.getLogger("llmd")
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = ("quant_gemm.c", "paged_attention.c", "rope.c", "q8_head.c")
+SOURCES = ("quant_gemm.c", "int4pack_gemm.c", "paged_attention.c", "rope.c", "q8_head.c")
 LIB_NAME = "libllmd_cpu.so"
 # -ffp-contract=off: no fused multiply-adds the C did not ask for (rope.c rounds as torch does).
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
@@ -51,6 +51,9 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
                         c_int], None),
     "llmd_rope": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_int, c_int], None),
     "llmd_q8_head": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_int], None),
+    "llmd_int4pack_gemm_vectorised": ([], c_int),
+    "llmd_int4pack_gemm_bf16": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_int],
+                                None),
     "llmd_int4pack_to_bf16_t": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int], None),
     "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_float, c_void_p, c_int], None),

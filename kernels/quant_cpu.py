@@ -156,6 +156,10 @@ def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 # From this many rows (prompt chunks) a packed int4 weight is expanded to dense bf16 for the matmul:
 # torch's int4 kernel took ~14 ms per layer of SmolLM2 on 512 rows, a dense bf16 matmul ~5 ms.
 DENSE_ROWS = 64
+# From this many rows up to DENSE_ROWS (decode steps of many sequences) the native kernel on torch's
+# packed layout (kernels/cpu/int4pack_gemm.c) beats torch's: 236 vs 359 us at 16 rows of a 3072x576
+# weight, 390 vs 776 us at 32; below it torch's kernel is faster (63 vs 123 us at one row).
+GEMM_ROWS = 8
 
 
 def int4pack_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, k: int, group_size: int,
@@ -166,6 +170,27 @@ def int4pack_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: 
     sz = scales_and_zeros.to(torch.bfloat16).contiguous()
     (lib or library()).llmd_int4pack_to_bf16_t(packed.data_ptr(), sz.data_ptr(), n, k, group_size, out.data_ptr(),
                                                _threads())
+    return out
+
+
+def int4pack_gemm_usable() -> bool:
+    """Whether :func:`int4pack_gemm_bf16` runs vectorised here (AVX512-BF16); its portable C build
+    computes the same bits, slowly, and is for tests."""
+    lib = library()
+    return lib is not None and bool(lib.llmd_int4pack_gemm_vectorised())
+
+
+def int4pack_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, group_size: int,
+                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x [M, K]`` (bf16, ``1 <= M <= 64``) times the weight torch's int4 kernel multiplies by, in the
+    native library: ``[M, n]`` bf16 (``n`` padded as packed, a multiple of 64; a layout
+    :func:`int4pack_layout_known` has confirmed)."""
+    x = x.to(torch.bfloat16).contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    sz = scales_and_zeros.to(torch.bfloat16).contiguous()
+    (lib or library()).llmd_int4pack_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n, group_size,
+                                               out.data_ptr(), _threads())
     return out
 
 

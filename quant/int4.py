@@ -71,8 +71,8 @@ class Int4Linear(QuantizedLinear):
     The path follows the device: Triton on CUDA; on the CPU, what :meth:`prepare` picks
     (:func:`llmd.kernels.quant_cpu.cpu_path`): torch's packed int4 kernel (bf16 on a CPU with fast
     bf16; the weight is converted to its layout and ours dropped, so one copy is held; prompt chunks
-    of 64+ rows expand that layout to a dense bf16 weight for the call, a faster matmul there), our
-    native kernel, or the reference path, which dequantises and multiplies (also before ``prepare``).
+    of 64+ rows expand that layout to a dense bf16 weight for the call, a faster matmul there, and
+    decode batches of 8-63 rows take the native kernel on that layout), our native kernel, or the reference path, which dequantises and multiplies (also before ``prepare``).
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
@@ -91,6 +91,7 @@ class Int4Linear(QuantizedLinear):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_path = "reference"  # set by prepare()
         self.cpu_dense_ok = False  # prepare(): prompt chunks may expand torch's layout to dense bf16
+        self.cpu_gemm_ok = False  # prepare(): decode batches of 8+ rows may take our kernel on that layout
         # torch's CPU int4 layout, set by prepare() when that kernel is used.
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
@@ -114,7 +115,7 @@ class Int4Linear(QuantizedLinear):
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Once loaded: convert to the layout of the fastest kernel for activations of ``dtype``."""
-        from llmd.kernels.quant_cpu import cpu_path, int4pack_layout_known, pack_int4_for_cpu
+        from llmd.kernels.quant_cpu import cpu_path, int4pack_gemm_usable, int4pack_layout_known, pack_int4_for_cpu
 
         if self.cpu_packed is not None or self.packed.device.type != "cpu":
             return
@@ -123,6 +124,7 @@ class Int4Linear(QuantizedLinear):
             self.cpu_packed, scales_and_zeros = pack_int4_for_cpu(self.weight())
             self.cpu_dense_ok = dtype == torch.bfloat16 and int4pack_layout_known(
                 self.cpu_packed.shape[0], self.in_features, self.group_size)
+            self.cpu_gemm_ok = self.cpu_dense_ok and self.group_size % 32 == 0 and int4pack_gemm_usable()
             self.cpu_scales_zeros = scales_and_zeros.to(dtype)
             # Hold one copy: ours is emptied (the buffers stay, so state_dict keys do not change).
             for name in ("packed", "scales", "mins"):
@@ -134,10 +136,13 @@ class Int4Linear(QuantizedLinear):
             from llmd.kernels import quant_cpu
 
             sz = self.cpu_scales_zeros
-            if x2.shape[0] >= quant_cpu.DENSE_ROWS and self.cpu_dense_ok:  # a prompt chunk
+            rows = x2.shape[0]
+            if rows >= quant_cpu.DENSE_ROWS and self.cpu_dense_ok:  # a prompt chunk
                 weight_t = quant_cpu.int4pack_to_bf16_t(self.cpu_packed, sz, self.cpu_packed.shape[0],
                                                         self.in_features, self.group_size)
                 out = x2.to(torch.bfloat16) @ weight_t
+            elif rows >= quant_cpu.GEMM_ROWS and self.cpu_gemm_ok:  # a decode step of many sequences
+                out = quant_cpu.int4pack_gemm_bf16(x2, self.cpu_packed, sz, self.cpu_packed.shape[0], self.group_size)
             else:
                 out = quant_cpu.int4_mm_cpu(x2.to(sz.dtype), self.cpu_packed, self.group_size, sz)
             out = out[:, :self.out_features].to(x.dtype)

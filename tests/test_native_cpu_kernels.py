@@ -316,3 +316,68 @@ def test_q8_head_bits_do_not_depend_on_build_batch_or_threads(lib, m: int, n: in
 def test_q8_head_usable_only_for_shapes_the_kernel_takes() -> None:
     assert q8_head.usable(576, 32) == (native.library() is not None)
     assert not q8_head.usable(576, 64) and not q8_head.usable(48, 32) and not q8_head.usable(16384, 32)
+
+
+# Decode batches on torch's packed int4 layout (kernels/cpu/int4pack_gemm.c): (m, n, k, group).
+INT4PACK_SHAPES = [(1, 64, 32, 32), (3, 128, 576, 32), (8, 960, 576, 64), (17, 192, 1536, 128), (64, 64, 96, 32)]
+
+
+def int4pack_inputs(m: int, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not quant_cpu.int4pack_layout_known(n, k, group):
+        pytest.skip("torch's int4 layout on this build is not the one the native kernels read")
+    g = torch.Generator().manual_seed(m * n + k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g), 1)
+    sz = ((torch.rand(k // group, n, 2, generator=g) - 0.5) * 0.2).to(torch.bfloat16)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    return x, packed, sz
+
+
+@pytest.mark.parametrize("m,n,k,group", INT4PACK_SHAPES)
+def test_int4pack_gemm_matches_the_exact_product_within_rounding(lib, m: int, n: int, k: int, group: int) -> None:
+    """Against the weight torch's kernel multiplies by (the expansion, itself checked bit for bit
+    against that kernel): fp32 sums, then one bf16 rounding of the result."""
+    x, packed, sz = int4pack_inputs(m, n, k, group)
+    got = quant_cpu.int4pack_gemm_bf16(x, packed, sz, n, group, lib)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    w_t = quant_cpu.int4pack_to_bf16_t(packed, sz, n, k, group).double()
+    exact = x.double() @ w_t
+    bound = k * 2.0 ** -24 * (x.double().abs() @ w_t.abs()) + 2.0 ** -8 * exact.abs()
+    assert ((got.double() - exact).abs() <= bound).all()
+    # torch's kernel (the same weights; it rounds on the way, ~1e-2 of a row's largest output here)
+    by_torch = quant_cpu.int4_mm_cpu(x, packed, group, sz).double()
+    assert ((got.double() - by_torch).abs().amax(-1) <= 2e-2 * by_torch.abs().amax(-1)).all()
+
+
+@pytest.mark.parametrize("m,n,k,group", INT4PACK_SHAPES)
+def test_int4pack_gemm_bits_do_not_depend_on_build_batch_or_threads(lib, m: int, n: int, k: int, group: int) -> None:
+    """One order of additions (pairs of inputs, odd product first): the portable C gives the vector
+    build's bits, and a row alone gives what it gives in a batch, on one thread or two."""
+    x, packed, sz = int4pack_inputs(m, n, k, group)
+    got = quant_cpu.int4pack_gemm_bf16(x, packed, sz, n, group, lib)
+    assert torch.equal(got, quant_cpu.int4pack_gemm_bf16(x, packed, sz, n, group, native.library()))
+    for i in {0, m // 2, m - 1}:
+        assert torch.equal(quant_cpu.int4pack_gemm_bf16(x[i:i + 1], packed, sz, n, group, lib), got[i:i + 1])
+    one_thread = torch.empty(m, n, dtype=torch.bfloat16)
+    lib.llmd_int4pack_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n, group,
+                                one_thread.data_ptr(), 1)
+    assert torch.equal(one_thread, got)
+
+
+def test_int4pack_gemm_adds_in_the_documented_order(lib) -> None:
+    """Sums where the order shows, all weights 1 (scale 0, zero 1): within a pair the odd input's
+    product comes first ([0, -2^25, 1, 2^25]: -2^25 + 0, then + 2^25 + 1 gives 1, where the even
+    one first would lose the 1 against -2^25), and pairs go in order ([2^25, 0, 1, 0, -2^25]: the 1
+    is lost against 2^25 before -2^25 comes)."""
+    n, k, group = 64, 32, 32
+    if not quant_cpu.int4pack_layout_known(n, k, group):
+        pytest.skip("torch's int4 layout on this build is not the one the native kernels read")
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(n, k, dtype=torch.int32), 1)
+    sz = torch.zeros(1, n, 2, dtype=torch.bfloat16)
+    sz[..., 1] = 1.0
+    x = torch.zeros(2, k)
+    x[0, :4] = torch.tensor([0.0, -2.0 ** 25, 1.0, 2.0 ** 25])
+    x[1, :5] = torch.tensor([2.0 ** 25, 0.0, 1.0, 0.0, -2.0 ** 25])
+    got = quant_cpu.int4pack_gemm_bf16(x.bfloat16(), packed, sz, n, group, lib)
+    assert torch.equal(got[0], torch.ones(n, dtype=torch.bfloat16))
+    assert torch.equal(got[1], torch.zeros(n, dtype=torch.bfloat16))

@@ -74,3 +74,24 @@ def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) ->
     small = torch.cat([layer(x[i:i + 8]) for i in range(0, len(x), 8)])  # torch's kernel
     assert big.shape == small.shape == (len(x), n)
     assert rel_err(big, small.float()) < 1e-2
+
+
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="torch's packed int4 path runs on CPUs with native bf16")
+def test_decode_batches_take_the_native_kernel_on_the_packed_layout() -> None:
+    """8 to 63 rows: kernels/cpu/int4pack_gemm.c on torch's layout; fewer: torch's own kernel."""
+    from llmd.kernels import quant_cpu
+
+    if not quant_cpu.int4pack_gemm_usable():
+        pytest.skip("no vectorised native int4pack kernel on this CPU")
+    n, k = 960, 576
+    g = torch.Generator().manual_seed(7)
+    layer = Int4Linear.from_weight(quantize_int4(torch.randn(n, k, generator=g), 32))
+    layer.prepare(torch.bfloat16)
+    assert layer.cpu_gemm_ok
+    x = torch.randn(quant_cpu.DENSE_ROWS - 1, k, generator=g).bfloat16()
+    sz, packed = layer.cpu_scales_zeros, layer.cpu_packed
+    for rows in (quant_cpu.GEMM_ROWS, 16, quant_cpu.DENSE_ROWS - 1):
+        want = quant_cpu.int4pack_gemm_bf16(x[:rows], packed, sz, packed.shape[0], 32)[:, :n]
+        assert torch.equal(layer(x[:rows]), want)
+    few = x[:quant_cpu.GEMM_ROWS - 1]
+    assert torch.equal(layer(few), quant_cpu.int4_mm_cpu(few, packed, 32, sz)[:, :n])
