@@ -157,8 +157,8 @@ def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 # torch's int4 kernel took ~14 ms per layer of SmolLM2 on 512 rows, a dense bf16 matmul ~5 ms.
 DENSE_ROWS = 64
 # From this many rows up to DENSE_ROWS (decode steps of many sequences) the native kernel on torch's
-# packed layout (kernels/cpu/int4pack_gemm.c) beats torch's: 236 vs 359 us at 16 rows of a 3072x576
-# weight, 390 vs 776 us at 32; below it torch's kernel is faster (63 vs 123 us at one row).
+# packed layout (kernels/cpu/int4pack_gemm.c) beats torch's: 215 vs 394 us at 16 rows of a 3072x576
+# weight, 364 vs 823 us at 32; they are even at 4 rows, and at one row torch's is faster (58 vs 76 us).
 GEMM_ROWS = 8
 
 

@@ -6,10 +6,12 @@
  * llmd_int4pack_to_bf16_t in quant_gemm.c for the layout: per 64 output rows and per input k,
  * 32 bytes, byte r holding row r in its low nibble and row 32 + r in its high nibble).
  *
- * Why not torch's kernel: at 16 rows it takes ~1.5x the time of a dense bf16 matmul on this
+ * Why not torch's kernel: at 16 rows it takes ~1.6x the time of a dense bf16 matmul on this
  * project's machines. Here the weights of 64 rows are dequantised 32 inputs at a time into a buffer
  * in L1 and used by every activation row; with AVX512-BF16 the products are bf16 dot products
- * (two inputs per fp32 lane and instruction).
+ * (two inputs per fp32 lane and instruction). The dequantisation (~0.4 cycles a weight, ~70 us for
+ * a 3072x576 weight on two cores) is what torch's kernel beats at one row: llmd.kernels.quant_cpu
+ * sends batches of GEMM_ROWS or more here.
  *
  * Order of additions, the same in every build and for every batch: out[m, n] is one fp32 chain over
  * the input pairs (0, 1), (2, 3), ...; within a pair the odd input's product is added first, then
@@ -61,40 +63,59 @@ static inline uint16_t i4p_round(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+#ifdef I4P_AVX512
+/* The 64 rows' bf16 weights at two inputs k, k + 1 (``src``: the packed bytes of k; k + 1's follow),
+ * as four vectors of 16 (k, k + 1) pairs, rows 16j..16j+15 in pairs[j]. */
+static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *src, const __m512 scale[4],
+                                                               const __m512 zero[4], __m512 centred,
+                                                               __m512i interleave, __m512i pairs[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    __m512 w[2][4];
+    for (int e = 0; e < 2; e++) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(src + e * 32));
+        const __m256i lo = _mm256_and_si256(bytes, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+        const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                  _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+        for (int j = 0; j < 4; j++) {
+            const __m512 q = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(parts[j]), centred);
+            w[e][j] = _mm512_fmadd_ps(q, scale[j], zero[j]);
+        }
+    }
+    /* to bf16, nearest even, as in i4p_round (no NaN or denormal: q is small, scales and zeros are
+     * finite bf16, so a nonzero weight is far above the denormal range) */
+    for (int j = 0; j < 4; j++)
+        pairs[j] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[1][j], w[0][j]));
+}
+
+/* The group's scales and zeros of rows b * NB .. b * NB + 63, widened to fp32. */
+static inline void load_scales(const uint16_t *sz, int64_t b, __m512 scale[4], __m512 zero[4]) {
+    for (int j = 0; j < 4; j++) {
+        const __m512i pairs = _mm512_loadu_si512((const void *)(sz + 2 * (b * NB + 16 * j)));
+        scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        zero[j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+}
+
+#define CENTRED _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7) /* q - 8, q = 0..15 */
+/* interleave two rows of 16 bf16: element 2r from the first (input k), 2r + 1 from the second (k + 1) */
+#define INTERLEAVE _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, \
+                                    23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+#endif
+
 /* wbuf[p * NB + r]: the bf16 weights of row b * NB + r at inputs k0 + 2p (low half) and k0 + 2p + 1
  * (high half), for p < KC / 2. ``sz``: the group's [N, 2] scales and zeros. */
 static void dequant_block(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t b, int64_t k0,
                           uint32_t *wbuf) {
 #ifdef I4P_AVX512
     __m512 scale[4], zero[4];
-    for (int j = 0; j < 4; j++) {
-        /* rows 16j..16j+15: (scale, zero) pairs as bf16; widen each half to fp32 */
-        __m512i pairs = _mm512_loadu_si512((const void *)(sz + 2 * (b * NB + 16 * j)));
-        scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-        zero[j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
-    }
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    load_scales(sz, b, scale, zero);
+    const __m512 centred = CENTRED;
+    const __m512i interleave = INTERLEAVE;
     for (int p = 0; p < KC / 2; p++) {
-        __m512i rounded[2][4];
-        for (int e = 0; e < 2; e++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + b * K * 32 + (k0 + 2 * p + e) * 32));
-            const __m256i lo = _mm256_and_si256(bytes, nibble);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-            const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                      _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-            for (int j = 0; j < 4; j++) {
-                const __m512 q = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[j])), eight);
-                const __m512i w = _mm512_castps_si512(_mm512_fmadd_ps(q, scale[j], zero[j]));
-                /* round to bf16, nearest even (no NaN: q is small, scales and zeros are finite) */
-                rounded[e][j] = _mm512_add_epi32(w, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(w, 16), one)));
-            }
-        }
-        for (int j = 0; j < 4; j++)
-            _mm512_storeu_si512((void *)(wbuf + p * NB + 16 * j),
-                                _mm512_or_si512(_mm512_and_si512(rounded[1][j], high), _mm512_srli_epi32(rounded[0][j], 16)));
+        __m512i pairs[4];
+        dequant_pair(packed + b * K * 32 + (k0 + 2 * p) * 32, scale, zero, centred, interleave, pairs);
+        for (int j = 0; j < 4; j++) _mm512_storeu_si512((void *)(wbuf + p * NB + 16 * j), pairs[j]);
     }
 #else
     for (int p = 0; p < KC / 2; p++) {
@@ -147,6 +168,7 @@ static inline __attribute__((always_inline)) void accumulate(const uint16_t *x, 
         }
 #endif
 }
+
 
 /* out [M, N] bf16 = x [M, K] bf16 @ W^T. N % 64 == 0, K % 32 == 0, group % 32 == 0, 1 <= M <= 64. */
 void llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed,
