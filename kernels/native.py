@@ -53,7 +53,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_q8_head": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_int], None),
     "llmd_int4pack_gemm_vectorised": ([], c_int),
     "llmd_int4pack_gemm_bf16": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_int],
-                                None),
+                                c_int),
     "llmd_int4pack_to_bf16_t": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int], None),
     "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_float, c_void_p, c_int], None),

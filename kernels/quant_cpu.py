@@ -153,12 +153,14 @@ def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, torch.stack((scales.t(), zeros.t()), dim=-1).contiguous()
 
 
-# From this many rows (prompt chunks) a packed int4 weight is expanded to dense bf16 for the matmul:
-# torch's int4 kernel took ~14 ms per layer of SmolLM2 on 512 rows, a dense bf16 matmul ~5 ms.
-DENSE_ROWS = 64
-# From this many rows up to DENSE_ROWS (decode steps of many sequences) the native kernel on torch's
-# packed layout (kernels/cpu/int4pack_gemm.c) beats torch's: 215 vs 394 us at 16 rows of a 3072x576
-# weight, 364 vs 823 us at 32; they are even at 4 rows, and at one row torch's is faster (58 vs 76 us).
+# From this many rows (long prompt chunks) a packed int4 weight is expanded to dense bf16 for the
+# matmul: torch's int4 kernel took ~14 ms per layer of SmolLM2 on 512 rows, a dense bf16 matmul ~5 ms.
+DENSE_ROWS = 256
+# From GEMM_ROWS up to DENSE_ROWS (decode steps of many sequences, short prompt chunks) the native
+# kernel on torch's packed layout (kernels/cpu/int4pack_gemm.c) is the fastest, on a 3072x576 weight:
+# 215 vs 394 us (torch's kernel) at 16 rows, 364 vs 823 at 32; 703 vs 1183 (expansion + dense) at
+# 64, 1221 vs 1457 at 128; even at 256, and at 512 the dense matmul is ahead. Below GEMM_ROWS torch's
+# kernel is (even at 4 rows, 58 vs 76 us at one).
 GEMM_ROWS = 8
 
 
@@ -182,15 +184,17 @@ def int4pack_gemm_usable() -> bool:
 
 def int4pack_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, group_size: int,
                        lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x [M, K]`` (bf16, ``1 <= M <= 64``) times the weight torch's int4 kernel multiplies by, in the
+    """``x [M, K]`` (bf16, ``1 <= M <= 1024``) times the weight torch's int4 kernel multiplies by, in the
     native library: ``[M, n]`` bf16 (``n`` padded as packed, a multiple of 64; a layout
     :func:`int4pack_layout_known` has confirmed)."""
     x = x.to(torch.bfloat16).contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.bfloat16)
     sz = scales_and_zeros.to(torch.bfloat16).contiguous()
-    (lib or library()).llmd_int4pack_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n, group_size,
-                                               out.data_ptr(), _threads())
+    status = (lib or library()).llmd_int4pack_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n,
+                                                        group_size, out.data_ptr(), _threads())
+    if status != 0:
+        raise MemoryError(f"the native int4 matmul could not run ({m}x{k} by {n}x{k}: out of memory?)")
     return out
 
 

@@ -318,8 +318,9 @@ def test_q8_head_usable_only_for_shapes_the_kernel_takes() -> None:
     assert not q8_head.usable(576, 64) and not q8_head.usable(48, 32) and not q8_head.usable(16384, 32)
 
 
-# Decode batches on torch's packed int4 layout (kernels/cpu/int4pack_gemm.c): (m, n, k, group).
-INT4PACK_SHAPES = [(1, 64, 32, 32), (3, 128, 576, 32), (8, 960, 576, 64), (17, 192, 1536, 128), (64, 64, 96, 32)]
+# Decode batches and short prompt chunks on torch's packed int4 layout (kernels/cpu/int4pack_gemm.c): (m, n, k, group).
+INT4PACK_SHAPES = [(1, 64, 32, 32), (3, 128, 576, 32), (8, 960, 576, 64), (17, 192, 1536, 128), (64, 64, 96, 32),
+                   (300, 128, 64, 32)]
 
 
 def int4pack_inputs(m: int, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

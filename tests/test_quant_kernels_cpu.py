@@ -51,7 +51,7 @@ def test_int8_linear_bf16_matches_reference(m: int, group_size: int | None) -> N
 @pytest.mark.skipif(not cpu_has_fast_bf16(), reason="torch's packed int4 path runs on CPUs with native bf16")
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 384)])  # 100: not a 64-row layout, no expansion
 def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) -> None:
-    """64+ rows: torch's packed int4 weight is expanded to dense bf16 (kernels/cpu/quant_gemm.c) for
+    """256+ rows: torch's packed int4 weight is expanded to dense bf16 (kernels/cpu/quant_gemm.c) for
     a dense matmul. The expansion is checked bit for bit against torch's own kernel (the identity
     times the weight), and the layer's output stays within bf16 rounding of the small-batch path."""
     from llmd.kernels import native, quant_cpu
@@ -78,7 +78,7 @@ def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) ->
 
 @pytest.mark.skipif(not cpu_has_fast_bf16(), reason="torch's packed int4 path runs on CPUs with native bf16")
 def test_decode_batches_take_the_native_kernel_on_the_packed_layout() -> None:
-    """8 to 63 rows: kernels/cpu/int4pack_gemm.c on torch's layout; fewer: torch's own kernel."""
+    """8 to 255 rows: kernels/cpu/int4pack_gemm.c on torch's layout; fewer: torch's own kernel."""
     from llmd.kernels import quant_cpu
 
     if not quant_cpu.int4pack_gemm_usable():

@@ -33,7 +33,7 @@
 #define NB 64 /* output rows per packed block */
 #define KC 32 /* inputs dequantised at a time (groups are multiples of 32) */
 #define MT 4  /* activation rows per register tile */
-#define MAX_M 64
+#define MAX_M 1024 /* activation rows per call; the caller sends fewer (llmd.kernels.quant_cpu) */
 
 int llmd_int4pack_gemm_vectorised(void) {
 #ifdef I4P_AVX512
@@ -170,16 +170,23 @@ static inline __attribute__((always_inline)) void accumulate(const uint16_t *x, 
 }
 
 
-/* out [M, N] bf16 = x [M, K] bf16 @ W^T. N % 64 == 0, K % 32 == 0, group % 32 == 0, 1 <= M <= 64. */
-void llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed,
+/* out [M, N] bf16 = x [M, K] bf16 @ W^T. N % 64 == 0, K % 32 == 0, group % 32 == 0, 1 <= M <= MAX_M.
+ * Returns 0, or -1 for shapes it does not take or when memory runs out (out is then unspecified). */
+int llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed,
                              const uint16_t *scales_zeros, int64_t N, int64_t group, uint16_t *out, int nthreads) {
-    if (N % NB || K % KC || group % KC || M > MAX_M || M < 1) return; /* the caller checks */
+    if (N % NB || K % KC || group % KC || M > MAX_M || M < 1) return -1;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         uint32_t wbuf[KC / 2 * NB] __attribute__((aligned(64)));
-        float acc[MAX_M * NB] __attribute__((aligned(64)));
+        float *acc = aligned_alloc(64, (size_t)(M * NB) * sizeof(float)); /* M x 64 sums (L2 at most) */
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < N / NB; b++) {
+            if (!acc) continue;
             memset(acc, 0, (size_t)(M * NB) * sizeof(float));
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 dequant_block(packed, scales_zeros + (k0 / group) * N * 2, K, b, k0, wbuf);
@@ -195,5 +202,7 @@ void llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint
             for (int64_t m = 0; m < M; m++)
                 for (int r = 0; r < NB; r++) out[m * N + b * NB + r] = i4p_round(acc[m * NB + r]);
         }
+        free(acc);
     }
+    return failed ? -1 : 0;
 }
