@@ -156,12 +156,11 @@ def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 # From this many rows (long prompt chunks) a packed int4 weight is expanded to dense bf16 for the
 # matmul: torch's int4 kernel took ~14 ms per layer of SmolLM2 on 512 rows, a dense bf16 matmul ~5 ms.
 DENSE_ROWS = 256
-# From GEMM_ROWS up to DENSE_ROWS (decode steps of many sequences, short prompt chunks) the native
-# kernel on torch's packed layout (kernels/cpu/int4pack_gemm.c) is the fastest, on a 3072x576 weight:
-# 215 vs 394 us (torch's kernel) at 16 rows, 364 vs 823 at 32; 703 vs 1183 (expansion + dense) at
-# 64, 1221 vs 1457 at 128; even at 256, and at 512 the dense matmul is ahead. Below GEMM_ROWS torch's
-# kernel is (even at 4 rows, 58 vs 76 us at one).
-GEMM_ROWS = 8
+# Below DENSE_ROWS the native kernel on torch's packed layout (kernels/cpu/int4pack_gemm.c) is the
+# fastest. Medians of 7, in us, for a 3072x576 weight on this project's 2-core machines (a noisy
+# day; compare within a row): rows 1: 67 vs torch's kernel 107; 4: 132 vs 190; 8: 220 vs 374;
+# 16: 398 vs 724; 32: 781 vs 1438; 64: 906 vs expansion + dense 1087; 128 and up: even with it or
+# behind.
 
 
 def int4pack_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, k: int, group_size: int,
@@ -176,17 +175,17 @@ def int4pack_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: 
 
 
 def int4pack_gemm_usable() -> bool:
-    """Whether :func:`int4pack_gemm_bf16` runs vectorised here (AVX512-BF16); its portable C build
+    """Whether :func:`int4pack_mm_bf16` runs vectorised here (AVX512-BF16); its portable C build
     computes the same bits, slowly, and is for tests."""
     lib = library()
     return lib is not None and bool(lib.llmd_int4pack_gemm_vectorised())
 
 
-def int4pack_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, group_size: int,
-                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x [M, K]`` (bf16, ``1 <= M <= 1024``) times the weight torch's int4 kernel multiplies by, in the
-    native library: ``[M, n]`` bf16 (``n`` padded as packed, a multiple of 64; a layout
-    :func:`int4pack_layout_known` has confirmed)."""
+def int4pack_mm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, group_size: int,
+                     lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x [M, K]`` (bf16, ``1 <= M <= 1024``) times an int4 weight in torch's packed layout (one
+    :func:`int4pack_layout_known` has confirmed), in the native library (kernels/cpu/int4pack_gemm.c):
+    ``[M, n]`` bf16 (``n`` padded as packed, a multiple of 64)."""
     x = x.to(torch.bfloat16).contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.bfloat16)

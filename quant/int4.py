@@ -72,7 +72,8 @@ class Int4Linear(QuantizedLinear):
     (:func:`llmd.kernels.quant_cpu.cpu_path`): torch's packed int4 kernel (bf16 on a CPU with fast
     bf16; the weight is converted to its layout and ours dropped, so one copy is held; calls of 256+
     rows (long prompt chunks) expand that layout to a dense bf16 weight for the call, a faster matmul
-    there, and calls of 8-255 rows take the native kernel on that layout), our native kernel, or the reference path, which dequantises and multiplies (also before ``prepare``).
+    there, and smaller ones take the native kernels on that layout where the CPU has AVX512-BF16),
+    our native kernel, or the reference path, which dequantises and multiplies (also before ``prepare``).
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
@@ -91,7 +92,7 @@ class Int4Linear(QuantizedLinear):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_path = "reference"  # set by prepare()
         self.cpu_dense_ok = False  # prepare(): prompt chunks may expand torch's layout to dense bf16
-        self.cpu_gemm_ok = False  # prepare(): calls of 8-255 rows may take our kernel on that layout
+        self.cpu_gemm_ok = False  # prepare(): calls under 256 rows may take our kernels on that layout
         # torch's CPU int4 layout, set by prepare() when that kernel is used.
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
@@ -141,8 +142,8 @@ class Int4Linear(QuantizedLinear):
                 weight_t = quant_cpu.int4pack_to_bf16_t(self.cpu_packed, sz, self.cpu_packed.shape[0],
                                                         self.in_features, self.group_size)
                 out = x2.to(torch.bfloat16) @ weight_t
-            elif rows >= quant_cpu.GEMM_ROWS and self.cpu_gemm_ok:  # many decode rows, a short chunk
-                out = quant_cpu.int4pack_gemm_bf16(x2, self.cpu_packed, sz, self.cpu_packed.shape[0], self.group_size)
+            elif self.cpu_gemm_ok:  # decode rows, a short chunk
+                out = quant_cpu.int4pack_mm_bf16(x2, self.cpu_packed, sz, self.cpu_packed.shape[0], self.group_size)
             else:
                 out = quant_cpu.int4_mm_cpu(x2.to(sz.dtype), self.cpu_packed, self.group_size, sz)
             out = out[:, :self.out_features].to(x.dtype)

@@ -318,7 +318,8 @@ def test_q8_head_usable_only_for_shapes_the_kernel_takes() -> None:
     assert not q8_head.usable(576, 64) and not q8_head.usable(48, 32) and not q8_head.usable(16384, 32)
 
 
-# Decode batches and short prompt chunks on torch's packed int4 layout (kernels/cpu/int4pack_gemm.c): (m, n, k, group).
+# Decode steps and short prompt chunks on torch's packed int4 layout (kernels/cpu/int4pack_gemm.c):
+# (m, n, k, group).
 INT4PACK_SHAPES = [(1, 64, 32, 32), (3, 128, 576, 32), (8, 960, 576, 64), (17, 192, 1536, 128), (64, 64, 96, 32),
                    (300, 128, 64, 32)]
 
@@ -334,51 +335,65 @@ def int4pack_inputs(m: int, n: int, k: int, group: int) -> tuple[torch.Tensor, t
     return x, packed, sz
 
 
+def int4pack_weight(packed: torch.Tensor, sz: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
+    """``[k, n]`` fp64: (q - 8) * scale + zero exactly, what the kernel multiplies by."""
+    unit = torch.zeros_like(sz)
+    unit[..., 0] = 1.0  # scale 1, zero 0: the expansion (checked against torch's kernel) gives q - 8
+    centred = quant_cpu.int4pack_to_bf16_t(packed, unit, n, k, group).double()
+    per_input = sz.double().repeat_interleave(group, dim=0)  # [k, n, 2]
+    return centred * per_input[..., 0] + per_input[..., 1]
+
+
 @pytest.mark.parametrize("m,n,k,group", INT4PACK_SHAPES)
-def test_int4pack_gemm_matches_the_exact_product_within_rounding(lib, m: int, n: int, k: int, group: int) -> None:
-    """Against the weight torch's kernel multiplies by (the expansion, itself checked bit for bit
-    against that kernel): fp32 sums, then one bf16 rounding of the result."""
+def test_int4pack_matmul_matches_the_exact_product_within_rounding(lib, m: int, n: int, k: int, group: int) -> None:
+    """fp32 sums of exact products, then one bf16 rounding of the result."""
     x, packed, sz = int4pack_inputs(m, n, k, group)
-    got = quant_cpu.int4pack_gemm_bf16(x, packed, sz, n, group, lib)
+    got = quant_cpu.int4pack_mm_bf16(x, packed, sz, n, group, lib)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    w_t = quant_cpu.int4pack_to_bf16_t(packed, sz, n, k, group).double()
+    w_t = int4pack_weight(packed, sz, n, k, group)
     exact = x.double() @ w_t
-    bound = k * 2.0 ** -24 * (x.double().abs() @ w_t.abs()) + 2.0 ** -8 * exact.abs()
+    bound = (k + 64) * 2.0 ** -24 * (x.double().abs() @ (w_t.abs() + sz.double().abs().amax())) + 2.0 ** -8 * exact.abs()
     assert ((got.double() - exact).abs() <= bound).all()
-    # torch's kernel (the same weights; it rounds on the way, ~1e-2 of a row's largest output here)
+    # torch's kernel (the same weights, rounded to bf16; it rounds on the way too): ~1e-2 of a row's largest output
     by_torch = quant_cpu.int4_mm_cpu(x, packed, group, sz).double()
     assert ((got.double() - by_torch).abs().amax(-1) <= 2e-2 * by_torch.abs().amax(-1)).all()
 
 
 @pytest.mark.parametrize("m,n,k,group", INT4PACK_SHAPES)
-def test_int4pack_gemm_bits_do_not_depend_on_build_batch_or_threads(lib, m: int, n: int, k: int, group: int) -> None:
-    """One order of additions (pairs of inputs, odd product first): the portable C gives the vector
-    build's bits, and a row alone gives what it gives in a batch, on one thread or two."""
+def test_int4pack_matmul_bits_do_not_depend_on_build_batch_or_threads(lib, m: int, n: int, k: int, group: int) -> None:
+    """Fixed orders of additions: the portable C gives the vector build's bits, and a row alone gives
+    what it gives in a batch, on one thread or two."""
     x, packed, sz = int4pack_inputs(m, n, k, group)
-    got = quant_cpu.int4pack_gemm_bf16(x, packed, sz, n, group, lib)
-    assert torch.equal(got, quant_cpu.int4pack_gemm_bf16(x, packed, sz, n, group, native.library()))
+    got = quant_cpu.int4pack_mm_bf16(x, packed, sz, n, group, lib)
+    assert torch.equal(got, quant_cpu.int4pack_mm_bf16(x, packed, sz, n, group, native.library()))
     for i in {0, m // 2, m - 1}:
-        assert torch.equal(quant_cpu.int4pack_gemm_bf16(x[i:i + 1], packed, sz, n, group, lib), got[i:i + 1])
+        assert torch.equal(quant_cpu.int4pack_mm_bf16(x[i:i + 1], packed, sz, n, group, lib), got[i:i + 1])
     one_thread = torch.empty(m, n, dtype=torch.bfloat16)
-    lib.llmd_int4pack_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n, group,
-                                one_thread.data_ptr(), 1)
+    assert lib.llmd_int4pack_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n, group,
+                                       one_thread.data_ptr(), 1) == 0
     assert torch.equal(one_thread, got)
 
 
-def test_int4pack_gemm_adds_in_the_documented_order(lib) -> None:
-    """Sums where the order shows, all weights 1 (scale 0, zero 1): within a pair the odd input's
-    product comes first ([0, -2^25, 1, 2^25]: -2^25 + 0, then + 2^25 + 1 gives 1, where the even
-    one first would lose the 1 against -2^25), and pairs go in order ([2^25, 0, 1, 0, -2^25]: the 1
-    is lost against 2^25 before -2^25 comes)."""
+def test_int4pack_matmul_adds_in_the_documented_order(lib) -> None:
+    """Sums where the order shows. Products in pairs, the odd input's first: [0, -2^25, 1, 2^25] gives
+    1 (-2^25 + 0, then + 2^25 + 1), where the even one first would lose the 1 against -2^25; pairs in
+    order: [2^25, 0, 1, 0, -2^25] gives 0 (the 1 is lost against 2^25 before -2^25 comes). Weights of
+    1 (q = 9, scale 1, zero 0). The input sum X goes left to right: with weights of zero 1 and
+    q - 8 = 0, [1, 2^25, -2^25] gives 0 (right to left would give 1)."""
     n, k, group = 64, 32, 32
     if not quant_cpu.int4pack_layout_known(n, k, group):
         pytest.skip("torch's int4 layout on this build is not the one the native kernels read")
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(n, k, dtype=torch.int32), 1)
-    sz = torch.zeros(1, n, 2, dtype=torch.bfloat16)
-    sz[..., 1] = 1.0
-    x = torch.zeros(2, k)
-    x[0, :4] = torch.tensor([0.0, -2.0 ** 25, 1.0, 2.0 ** 25])
-    x[1, :5] = torch.tensor([2.0 ** 25, 0.0, 1.0, 0.0, -2.0 ** 25])
-    got = quant_cpu.int4pack_gemm_bf16(x.bfloat16(), packed, sz, n, group, lib)
+
+    def run(q: int, scale: float, zero: float, rows: list[list[float]]) -> torch.Tensor:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((n, k), q, dtype=torch.int32), 1)
+        sz = torch.tensor([scale, zero]).expand(1, n, 2).to(torch.bfloat16).contiguous()
+        x = torch.zeros(len(rows), k)
+        for i, r in enumerate(rows):
+            x[i, :len(r)] = torch.tensor(r)
+        return quant_cpu.int4pack_mm_bf16(x.bfloat16(), packed, sz, n, group, lib)
+
+    big = 2.0 ** 25
+    got = run(9, 1.0, 0.0, [[0.0, -big, 1.0, big], [big, 0.0, 1.0, 0.0, -big]])
     assert torch.equal(got[0], torch.ones(n, dtype=torch.bfloat16))
     assert torch.equal(got[1], torch.zeros(n, dtype=torch.bfloat16))
+    assert torch.equal(run(8, 1.0, 1.0, [[1.0, big, -big]])[0], torch.zeros(n, dtype=torch.bfloat16))

@@ -71,14 +71,14 @@ def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) ->
         assert torch.equal(dense_t, by_torch)
     x = torch.randn(quant_cpu.DENSE_ROWS + 6, k, generator=g).bfloat16()
     big = layer(x)  # one call over all rows: the dense path where it applies
-    small = torch.cat([layer(x[i:i + 8]) for i in range(0, len(x), 8)])  # torch's kernel
+    small = torch.cat([layer(x[i:i + 8]) for i in range(0, len(x), 8)])  # the small-batch kernel
     assert big.shape == small.shape == (len(x), n)
     assert rel_err(big, small.float()) < 1e-2
 
 
 @pytest.mark.skipif(not cpu_has_fast_bf16(), reason="torch's packed int4 path runs on CPUs with native bf16")
-def test_decode_batches_take_the_native_kernel_on_the_packed_layout() -> None:
-    """8 to 255 rows: kernels/cpu/int4pack_gemm.c on torch's layout; fewer: torch's own kernel."""
+def test_decode_batches_take_the_native_kernels_on_the_packed_layout() -> None:
+    """Under 256 rows: kernels/cpu/int4pack_gemm.c on torch's layout."""
     from llmd.kernels import quant_cpu
 
     if not quant_cpu.int4pack_gemm_usable():
@@ -90,8 +90,6 @@ def test_decode_batches_take_the_native_kernel_on_the_packed_layout() -> None:
     assert layer.cpu_gemm_ok
     x = torch.randn(quant_cpu.DENSE_ROWS - 1, k, generator=g).bfloat16()
     sz, packed = layer.cpu_scales_zeros, layer.cpu_packed
-    for rows in (quant_cpu.GEMM_ROWS, 16, quant_cpu.DENSE_ROWS - 1):
-        want = quant_cpu.int4pack_gemm_bf16(x[:rows], packed, sz, packed.shape[0], 32)[:, :n]
+    for rows in (1, 7, 16, quant_cpu.DENSE_ROWS - 1):
+        want = quant_cpu.int4pack_mm_bf16(x[:rows], packed, sz, packed.shape[0], 32)[:, :n]
         assert torch.equal(layer(x[:rows]), want)
-    few = x[:quant_cpu.GEMM_ROWS - 1]
-    assert torch.equal(layer(few), quant_cpu.int4_mm_cpu(few, packed, 32, sz)[:, :n])

@@ -1,24 +1,28 @@
-/* Decode-sized matmuls on torch's packed INT4 CPU layout with bf16 activations:
- * out[M, N] (bf16) = x[M, K] (bf16) @ W[N, K]^T, for the small batches of a decode step.
+/* Matmuls on torch's packed INT4 CPU layout with bf16 activations, for decode steps and short
+ * prompt chunks: out[M, N] (bf16) = x[M, K] (bf16) @ W[N, K]^T with W = (q - 8) * scale + zero.
  *
- * The weights are the ones torch's kernel (_weight_int4pack_mm_for_cpu) multiplies by, bit for bit:
- * w = bf16(fma(q - 8, scale, zero)) with bf16 scales and zeros per group (see
- * llmd_int4pack_to_bf16_t in quant_gemm.c for the layout: per 64 output rows and per input k,
- * 32 bytes, byte r holding row r in its low nibble and row 32 + r in its high nibble).
+ * The layout is the one torch's kernel (_weight_int4pack_mm_for_cpu) reads (see
+ * llmd_int4pack_to_bf16_t in quant_gemm.c): per 64 output rows and per input k, 32 bytes, byte r
+ * holding row r in its low nibble and row 32 + r in its high nibble; bf16 scales and zeros
+ * [K / group, N, 2].
  *
- * Why not torch's kernel: at 16 rows it takes ~1.6x the time of a dense bf16 matmul on this
- * project's machines. Here the weights of 64 rows are dequantised 32 inputs at a time into a buffer
- * in L1 and used by every activation row; with AVX512-BF16 the products are bf16 dot products
- * (two inputs per fp32 lane and instruction). The dequantisation (~0.4 cycles a weight, ~70 us for
- * a 3072x576 weight on two cores) is what torch's kernel beats at one row: llmd.kernels.quant_cpu
- * sends batches of GEMM_ROWS or more here.
+ * Why not torch's kernel: this one is ~1.6x as fast at one row and ~1.8x at 16 (measurements in
+ * llmd.kernels.quant_cpu). The weights of 64 rows are unpacked 32 inputs at a time into a buffer in
+ * L1 that every activation row then uses, and the scale and zero stay out of that unpacking
+ * (which is what a decode step of one sequence waits on). Per 32 inputs (a chunk of a group) and row:
+ *     P = sum over the chunk of x_k * (q_k - 8)     (q - 8 and x are exact in bf16: AVX512-BF16 dot
+ *                                                    products, two inputs per lane and instruction)
+ *     acc = fma(P, scale, acc);  acc = fma(X, zero, acc)    with X = sum over the chunk of x_k
+ * so a weight costs a nibble, a table lookup and half a dot-product instruction, shared by every
+ * activation row. Unlike torch's kernel the weights are never rounded to bf16. (A variant that
+ * unpacked torch's bf16-rounded weights spent twice as long unpacking and ~15% less per extra row;
+ * one kernel for every row count was kept: a row's result then never depends on its batch.)
  *
- * Order of additions, the same in every build and for every batch: out[m, n] is one fp32 chain over
- * the input pairs (0, 1), (2, 3), ...; within a pair the odd input's product is added first, then
- * the even one's (the order of the AVX512-BF16 dot product; each bf16 x bf16 product is exact in
- * fp32, so only the additions round), rounded to bf16 (nearest even) at the end. So a row's result
- * does not depend on the other rows of its batch or on the thread count, and the portable C build
- * gives the same bits as the vector build.
+ * Order of additions, the same in every build, batch and thread count: P is one fp32 chain over the
+ * input pairs (k0, k0 + 1), (k0 + 2, k0 + 3), ...; within a pair the odd input's product first (the
+ * AVX512-BF16 dot product's order; the products are exact in fp32, so only the additions round); X
+ * is a plain left-to-right fp32 sum; the chunks go in order; the result is rounded to bf16 (nearest
+ * even). The portable C build gives the vector build's bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,7 +35,7 @@
 #endif
 
 #define NB 64 /* output rows per packed block */
-#define KC 32 /* inputs dequantised at a time (groups are multiples of 32) */
+#define KC 32 /* inputs unpacked at a time (groups are multiples of 32) */
 #define MT 4  /* activation rows per register tile */
 #define MAX_M 1024 /* activation rows per call; the caller sends fewer (llmd.kernels.quant_cpu) */
 
@@ -64,58 +68,36 @@ static inline uint16_t i4p_round(float f) {
 }
 
 #ifdef I4P_AVX512
-/* The 64 rows' bf16 weights at two inputs k, k + 1 (``src``: the packed bytes of k; k + 1's follow),
- * as four vectors of 16 (k, k + 1) pairs, rows 16j..16j+15 in pairs[j]. */
-static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *src, const __m512 scale[4],
-                                                               const __m512 zero[4], __m512 centred,
-                                                               __m512i interleave, __m512i pairs[4]) {
-    const __m256i nibble = _mm256_set1_epi8(0x0f);
-    __m512 w[2][4];
-    for (int e = 0; e < 2; e++) {
-        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(src + e * 32));
-        const __m256i lo = _mm256_and_si256(bytes, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-        const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                  _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-        for (int j = 0; j < 4; j++) {
-            const __m512 q = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(parts[j]), centred);
-            w[e][j] = _mm512_fmadd_ps(q, scale[j], zero[j]);
-        }
-    }
-    /* to bf16, nearest even, as in i4p_round (no NaN or denormal: q is small, scales and zeros are
-     * finite bf16, so a nonzero weight is far above the denormal range) */
-    for (int j = 0; j < 4; j++)
-        pairs[j] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[1][j], w[0][j]));
-}
-
-/* The group's scales and zeros of rows b * NB .. b * NB + 63, widened to fp32. */
-static inline void load_scales(const uint16_t *sz, int64_t b, __m512 scale[4], __m512 zero[4]) {
-    for (int j = 0; j < 4; j++) {
-        const __m512i pairs = _mm512_loadu_si512((const void *)(sz + 2 * (b * NB + 16 * j)));
-        scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-        zero[j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
-    }
-}
-
-#define CENTRED _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7) /* q - 8, q = 0..15 */
-/* interleave two rows of 16 bf16: element 2r from the first (input k), 2r + 1 from the second (k + 1) */
-#define INTERLEAVE _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, \
-                                    23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+/* bf16 bits of q - 8 for q = 0..15 (words 16..31 unused) */
+#define CENTRED_BF16 _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
+    0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, \
+    (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100)
+/* two vectors of 32 rows' words (input k, then k + 1) -> (k, k + 1) pairs of rows 0-15 / 16-31 */
+#define PAIRS_LOW _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, \
+                                   39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0)
+#define PAIRS_HIGH _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, \
+                                    55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16)
 #endif
 
-/* wbuf[p * NB + r]: the bf16 weights of row b * NB + r at inputs k0 + 2p (low half) and k0 + 2p + 1
- * (high half), for p < KC / 2. ``sz``: the group's [N, 2] scales and zeros. */
-static void dequant_block(const uint8_t *packed, const uint16_t *sz, int64_t K, int64_t b, int64_t k0,
-                          uint32_t *wbuf) {
+/* wbuf[p * NB + r]: bf16 (q - 8) of row b * NB + r at inputs k0 + 2p (low half) and k0 + 2p + 1
+ * (high half), for p < KC / 2. */
+static void unpack_block(const uint8_t *packed, int64_t K, int64_t b, int64_t k0, uint32_t *wbuf) {
 #ifdef I4P_AVX512
-    __m512 scale[4], zero[4];
-    load_scales(sz, b, scale, zero);
-    const __m512 centred = CENTRED;
-    const __m512i interleave = INTERLEAVE;
+    const __m512i table = CENTRED_BF16, low_pairs = PAIRS_LOW, high_pairs = PAIRS_HIGH;
+    const __m512i nibble = _mm512_set1_epi16(0x0f);
     for (int p = 0; p < KC / 2; p++) {
-        __m512i pairs[4];
-        dequant_pair(packed + b * K * 32 + (k0 + 2 * p) * 32, scale, zero, centred, interleave, pairs);
-        for (int j = 0; j < 4; j++) _mm512_storeu_si512((void *)(wbuf + p * NB + 16 * j), pairs[j]);
+        const uint8_t *src = packed + b * K * 32 + (k0 + 2 * p) * 32;
+        __m512i lo[2], hi[2];
+        for (int e = 0; e < 2; e++) {
+            const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + e * 32)));
+            lo[e] = _mm512_permutexvar_epi16(_mm512_and_si512(words, nibble), table); /* rows 0-31 */
+            hi[e] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);     /* rows 32-63 */
+        }
+        uint32_t *dst = wbuf + p * NB;
+        _mm512_storeu_si512((void *)dst, _mm512_permutex2var_epi16(lo[0], low_pairs, lo[1]));
+        _mm512_storeu_si512((void *)(dst + 16), _mm512_permutex2var_epi16(lo[0], high_pairs, lo[1]));
+        _mm512_storeu_si512((void *)(dst + 32), _mm512_permutex2var_epi16(hi[0], low_pairs, hi[1]));
+        _mm512_storeu_si512((void *)(dst + 48), _mm512_permutex2var_epi16(hi[0], high_pairs, hi[1]));
     }
 #else
     for (int p = 0; p < KC / 2; p++) {
@@ -123,10 +105,8 @@ static void dequant_block(const uint8_t *packed, const uint16_t *sz, int64_t K, 
         for (int e = 0; e < 2; e++) {
             const uint8_t *src = packed + b * K * 32 + (k0 + 2 * p + e) * 32;
             for (int r = 0; r < NB; r++) {
-                const int64_t n = b * NB + r;
                 const int q = r < 32 ? src[r] & 0x0f : src[r - 32] >> 4;
-                const float s = i4p_f32((uint32_t)sz[2 * n] << 16), z = i4p_f32((uint32_t)sz[2 * n + 1] << 16);
-                w[e][r] = i4p_round(fmaf((float)q - 8.0f, s, z));
+                w[e][r] = (uint16_t)(i4p_bits((float)(q - 8)) >> 16); /* exact in bf16 */
             }
         }
         for (int r = 0; r < NB; r++) wbuf[p * NB + r] = (uint32_t)w[0][r] | ((uint32_t)w[1][r] << 16);
@@ -134,13 +114,17 @@ static void dequant_block(const uint8_t *packed, const uint16_t *sz, int64_t K, 
 #endif
 }
 
-/* acc[m][0:NB] += the products of x[m] at inputs k0 .. k0 + KC - 1 and wbuf, pair by pair. */
+/* For activation rows m < mt: acc[m] (64 rows) += scale * P + zero * X over one chunk of KC inputs
+ * (see the top). ``xsum``: X of each row for this chunk (stride ``xs_stride``); ``sz``: the
+ * group's [N, 2] scales and zeros. */
 static inline __attribute__((always_inline)) void accumulate(const uint16_t *x, int64_t K, int64_t k0,
-                                                             const uint32_t *wbuf, float *acc, const int mt) {
+                                                             const uint32_t *wbuf, const float *xsum,
+                                                             int64_t xs_stride, const uint16_t *sz, int64_t b,
+                                                             float *acc, const int mt) {
 #ifdef I4P_AVX512
-    __m512 a[MT][4];
+    __m512 part[MT][4];
     for (int m = 0; m < mt; m++)
-        for (int j = 0; j < 4; j++) a[m][j] = _mm512_loadu_ps(acc + m * NB + 16 * j);
+        for (int j = 0; j < 4; j++) part[m][j] = _mm512_setzero_ps();
     for (int p = 0; p < KC / 2; p++) {
         __m512bh w[4];
         for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_loadu_si512((const void *)(wbuf + p * NB + 16 * j));
@@ -148,33 +132,52 @@ static inline __attribute__((always_inline)) void accumulate(const uint16_t *x, 
             uint32_t pair;
             memcpy(&pair, x + m * K + k0 + 2 * p, sizeof pair);
             const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int j = 0; j < 4; j++) a[m][j] = _mm512_dpbf16_ps(a[m][j], xv, w[j]);
+            for (int j = 0; j < 4; j++) part[m][j] = _mm512_dpbf16_ps(part[m][j], xv, w[j]);
         }
     }
-    for (int m = 0; m < mt; m++)
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + m * NB + 16 * j, a[m][j]);
+    for (int j = 0; j < 4; j++) {
+        const __m512i both = _mm512_loadu_si512((const void *)(sz + 2 * (b * NB + 16 * j)));
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xffff0000u)));
+        for (int m = 0; m < mt; m++) {
+            __m512 a = _mm512_loadu_ps(acc + m * NB + 16 * j);
+            a = _mm512_fmadd_ps(part[m][j], scale, a);
+            a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * xs_stride]), zero, a);
+            _mm512_storeu_ps(acc + m * NB + 16 * j, a);
+        }
+    }
 #else
     for (int m = 0; m < mt; m++)
-        for (int p = 0; p < KC / 2; p++) {
-            const float x0 = i4p_f32((uint32_t)x[m * K + k0 + 2 * p] << 16);
-            const float x1 = i4p_f32((uint32_t)x[m * K + k0 + 2 * p + 1] << 16);
-            for (int r = 0; r < NB; r++) {
+        for (int r = 0; r < NB; r++) {
+            float part = 0.0f;
+            for (int p = 0; p < KC / 2; p++) {
                 const uint32_t wp = wbuf[p * NB + r];
-                float s = acc[m * NB + r];
-                s += x1 * i4p_f32(wp & 0xffff0000u); /* exact product, one rounding in the sum */
-                s += x0 * i4p_f32(wp << 16);
-                acc[m * NB + r] = s;
+                part += i4p_f32((uint32_t)x[m * K + k0 + 2 * p + 1] << 16) * i4p_f32(wp & 0xffff0000u);
+                part += i4p_f32((uint32_t)x[m * K + k0 + 2 * p] << 16) * i4p_f32(wp << 16);
             }
+            const int64_t n = b * NB + r;
+            float a = acc[m * NB + r];
+            a = fmaf(part, i4p_f32((uint32_t)sz[2 * n] << 16), a);
+            a = fmaf(xsum[m * xs_stride], i4p_f32((uint32_t)sz[2 * n + 1] << 16), a);
+            acc[m * NB + r] = a;
         }
 #endif
 }
 
-
 /* out [M, N] bf16 = x [M, K] bf16 @ W^T. N % 64 == 0, K % 32 == 0, group % 32 == 0, 1 <= M <= MAX_M.
  * Returns 0, or -1 for shapes it does not take or when memory runs out (out is then unspecified). */
 int llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed,
-                             const uint16_t *scales_zeros, int64_t N, int64_t group, uint16_t *out, int nthreads) {
+                            const uint16_t *scales_zeros, int64_t N, int64_t group, uint16_t *out, int nthreads) {
     if (N % NB || K % KC || group % KC || M > MAX_M || M < 1) return -1;
+    const int64_t chunks = K / KC;
+    float *xsum = malloc((size_t)(M * chunks) * sizeof(float)); /* X per activation row and chunk */
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < chunks; c++) {
+            float sum = 0.0f;
+            for (int64_t k = c * KC; k < (c + 1) * KC; k++) sum += i4p_f32((uint32_t)x[m * K + k] << 16);
+            xsum[m * chunks + c] = sum;
+        }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -188,14 +191,17 @@ int llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8
         for (int64_t b = 0; b < N / NB; b++) {
             if (!acc) continue;
             memset(acc, 0, (size_t)(M * NB) * sizeof(float));
-            for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                dequant_block(packed, scales_zeros + (k0 / group) * N * 2, K, b, k0, wbuf);
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t k0 = c * KC;
+                const uint16_t *sz = scales_zeros + (k0 / group) * N * 2;
+                unpack_block(packed, K, b, k0, wbuf);
                 int64_t m0 = 0;
-                for (; m0 + MT <= M; m0 += MT) accumulate(x + m0 * K, K, k0, wbuf, acc + m0 * NB, MT);
+                for (; m0 + MT <= M; m0 += MT)
+                    accumulate(x + m0 * K, K, k0, wbuf, xsum + m0 * chunks + c, chunks, sz, b, acc + m0 * NB, MT);
                 switch (M - m0) {
-                case 1: accumulate(x + m0 * K, K, k0, wbuf, acc + m0 * NB, 1); break;
-                case 2: accumulate(x + m0 * K, K, k0, wbuf, acc + m0 * NB, 2); break;
-                case 3: accumulate(x + m0 * K, K, k0, wbuf, acc + m0 * NB, 3); break;
+                case 1: accumulate(x + m0 * K, K, k0, wbuf, xsum + m0 * chunks + c, chunks, sz, b, acc + m0 * NB, 1); break;
+                case 2: accumulate(x + m0 * K, K, k0, wbuf, xsum + m0 * chunks + c, chunks, sz, b, acc + m0 * NB, 2); break;
+                case 3: accumulate(x + m0 * K, K, k0, wbuf, xsum + m0 * chunks + c, chunks, sz, b, acc + m0 * NB, 3); break;
                 default: break;
                 }
             }
@@ -204,5 +210,6 @@ int llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8
         }
         free(acc);
     }
+    free(xsum);
     return failed ? -1 : 0;
 }
