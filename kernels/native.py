@@ -96,10 +96,11 @@ def build(cc: str | None = None, out_dir: Path | None = None, portable: bool = F
     if cc is None:
         raise NativeBuildError("no C compiler found (install gcc, or set CC)")
     sources = [SOURCE_DIR / name for name in SOURCES]
+    headers = sorted(SOURCE_DIR.glob("*.h"))  # included by the sources: part of the key too
     flags = FLAGS if portable else (*FLAGS, NATIVE_ARCH)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in sources), version.encode(), " ".join(flags).encode(),
+    for part in (*(p.read_bytes() for p in (*sources, *headers)), version.encode(), " ".join(flags).encode(),
                  _cpu_signature().encode()):
         key.update(part)
     target = (out_dir or cache_dir()) / key.hexdigest()[:16] / LIB_NAME

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "scalar.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define I4P_AVX512 1
@@ -45,26 +47,6 @@ int llmd_int4pack_gemm_vectorised(void) {
 #else
     return 0;
 #endif
-}
-
-static inline float i4p_f32(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint32_t i4p_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return bits;
-}
-
-/* fp32 -> bf16 bits, nearest even (weights and sums here are finite or inf, never NaN: see below). */
-static inline uint16_t i4p_round(float f) {
-    uint32_t bits = i4p_bits(f);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
 }
 
 #ifdef I4P_AVX512
@@ -106,7 +88,7 @@ static void unpack_block(const uint8_t *packed, int64_t K, int64_t b, int64_t k0
             const uint8_t *src = packed + b * K * 32 + (k0 + 2 * p + e) * 32;
             for (int r = 0; r < NB; r++) {
                 const int q = r < 32 ? src[r] & 0x0f : src[r - 32] >> 4;
-                w[e][r] = (uint16_t)(i4p_bits((float)(q - 8)) >> 16); /* exact in bf16 */
+                w[e][r] = (uint16_t)(llmd_f32_bits((float)(q - 8)) >> 16); /* exact in bf16 */
             }
         }
         for (int r = 0; r < NB; r++) wbuf[p * NB + r] = (uint32_t)w[0][r] | ((uint32_t)w[1][r] << 16);
@@ -152,13 +134,13 @@ static inline __attribute__((always_inline)) void accumulate(const uint16_t *x, 
             float part = 0.0f;
             for (int p = 0; p < KC / 2; p++) {
                 const uint32_t wp = wbuf[p * NB + r];
-                part += i4p_f32((uint32_t)x[m * K + k0 + 2 * p + 1] << 16) * i4p_f32(wp & 0xffff0000u);
-                part += i4p_f32((uint32_t)x[m * K + k0 + 2 * p] << 16) * i4p_f32(wp << 16);
+                part += llmd_f32_from_bits((uint32_t)x[m * K + k0 + 2 * p + 1] << 16) * llmd_f32_from_bits(wp & 0xffff0000u);
+                part += llmd_f32_from_bits((uint32_t)x[m * K + k0 + 2 * p] << 16) * llmd_f32_from_bits(wp << 16);
             }
             const int64_t n = b * NB + r;
             float a = acc[m * NB + r];
-            a = fmaf(part, i4p_f32((uint32_t)sz[2 * n] << 16), a);
-            a = fmaf(xsum[m * xs_stride], i4p_f32((uint32_t)sz[2 * n + 1] << 16), a);
+            a = fmaf(part, llmd_f32_from_bits((uint32_t)sz[2 * n] << 16), a);
+            a = fmaf(xsum[m * xs_stride], llmd_f32_from_bits((uint32_t)sz[2 * n + 1] << 16), a);
             acc[m * NB + r] = a;
         }
 #endif
@@ -175,7 +157,7 @@ int llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < chunks; c++) {
             float sum = 0.0f;
-            for (int64_t k = c * KC; k < (c + 1) * KC; k++) sum += i4p_f32((uint32_t)x[m * K + k] << 16);
+            for (int64_t k = c * KC; k < (c + 1) * KC; k++) sum += llmd_f32_from_bits((uint32_t)x[m * K + k] << 16);
             xsum[m * chunks + c] = sum;
         }
     int failed = 0;
@@ -206,7 +188,7 @@ int llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8
                 }
             }
             for (int64_t m = 0; m < M; m++)
-                for (int r = 0; r < NB; r++) out[m * N + b * NB + r] = i4p_round(acc[m * NB + r]);
+                for (int r = 0; r < NB; r++) out[m * N + b * NB + r] = llmd_f32_to_bf16(acc[m * NB + r]);
         }
         free(acc);
     }

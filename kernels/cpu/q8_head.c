@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "scalar.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q8H_AVX2 1
@@ -35,34 +37,10 @@
 #define XROWS 1
 #endif
 
-static inline float q8h_half_to_float(uint16_t h) {
-#ifdef Q8H_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {
-            exp = 113;
-            while (!(mant & 0x400u)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
 /* w[K] = d * q for one row (exact). */
 static void dequant_row(const int8_t *q, const uint16_t *d, int64_t K, float *w) {
     for (int64_t g = 0; g < K / QK; g++) {
-        const float s = q8h_half_to_float(d[g]);
+        const float s = llmd_f16_to_f32(d[g]);
         const int8_t *qg = q + g * QK;
         float *wg = w + g * QK;
 #if defined(Q8H_AVX512)

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "scalar.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LLMD_AVX2 1
@@ -33,30 +35,6 @@ int llmd_has_avx2(void) {
     return 1;
 #else
     return 0;
-#endif
-}
-
-static inline float half_to_float(uint16_t h) {
-#ifdef LLMD_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 113;
-            while (!(mant & 0x400u)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 #endif
 }
 
@@ -158,7 +136,7 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 
 /* A row's fp16 per-group values, one float per block of 32. */
 static void expand_groups(const uint16_t *src, int64_t nb, int64_t bpg, float *dst) {
-    for (int64_t b = 0; b < nb; b++) dst[b] = half_to_float(src[b / bpg]);
+    for (int64_t b = 0; b < nb; b++) dst[b] = llmd_f16_to_f32(src[b / bpg]);
 }
 
 /* Unpack one int4 row: packed byte i holds element 2i (low nibble) and 2i+1 (high nibble). */
@@ -227,13 +205,6 @@ void llmd_int8_gemm(const int8_t *xq, const float *xd, int64_t M, int64_t K, con
  * because then both the packed bytes and the output run along n. Prompt-sized batches multiply
  * faster as a dense bf16 matmul than through torch's int4 kernel; llmd.kernels.quant_cpu checks the
  * layout against torch's own kernel before trusting this (other builds pack differently). N % 64 == 0. */
-static inline float bf16_bits_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 void llmd_int4pack_to_bf16_t(const uint8_t *packed, const uint16_t *scales_zeros, int64_t N, int64_t K,
                              int64_t group, uint16_t *out_t, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -248,7 +219,7 @@ void llmd_int4pack_to_bf16_t(const uint8_t *packed, const uint16_t *scales_zeros
                 const int shift = half * 4;
                 for (int64_t r = 0; r < 32; r++) {
                     const float q = (float)((src[r] >> shift) & 0x0f) - 8.0f;
-                    const float w = fmaf(q, bf16_bits_to_f32(sz[2 * (n0 + r)]), bf16_bits_to_f32(sz[2 * (n0 + r) + 1]));
+                    const float w = fmaf(q, llmd_bf16_to_f32(sz[2 * (n0 + r)]), llmd_bf16_to_f32(sz[2 * (n0 + r) + 1]));
                     uint32_t bits;
                     memcpy(&bits, &w, sizeof bits);
                     bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even (no NaN here) */

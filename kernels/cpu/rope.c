@@ -13,33 +13,19 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion (NaN stays NaN). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "scalar.h"
 
 static inline float load(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? llmd_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* Round through the tensors' dtype (a no-op for fp32). */
 static inline float round_to(float v, int bf16) {
-    return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+    return bf16 ? llmd_bf16_to_f32(llmd_f32_to_bf16(v)) : v;
 }
 
 static inline void store(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    if (bf16) ((uint16_t *)p)[i] = llmd_f32_to_bf16(v);
     else ((float *)p)[i] = v;
 }
 
