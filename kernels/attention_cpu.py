@@ -16,7 +16,7 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: list[int],
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: list[int] | torch.Tensor,
     block_tables: torch.Tensor, scale: float, sliding_window: int | None = None, lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """Attention for a batch of single-token queries.
@@ -24,7 +24,8 @@ def decode_attention(
     Args:
         query: ``[B, num_heads, head_dim]``.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fp32 or bf16.
-        seq_lens: context length per row (the query token included).
+        seq_lens: context length per row (the query token included): a list, or an int32 CPU
+            tensor (what AttentionMetadata builds once per step, so no layer rebuilds it).
         block_tables: ``[B, >= max blocks]`` block ids.
         lib: another build of the library (tests).
 
@@ -38,8 +39,15 @@ def decode_attention(
     batch, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     q = query.float().contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    tables = block_tables
+    if tables.dtype != torch.int64 or not tables.is_contiguous():
+        tables = tables.to(torch.int64).contiguous()
+    if isinstance(seq_lens, torch.Tensor):
+        lens = seq_lens if seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() else seq_lens.to(torch.int32).contiguous()
+    else:
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+    if lens.shape[0] != batch or tables.shape[0] != batch:
+        raise ValueError(f"{batch} query rows but {lens.shape[0]} lengths and {tables.shape[0]} block tables")
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
     (lib or library()).llmd_paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),

@@ -21,12 +21,15 @@ from __future__ import annotations
 import ctypes
 import os
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmd.kernels.native import library
 from llmd.quant.common import unpack_int4
-from llmd.quant.int4 import Int4Weight
+
+if TYPE_CHECKING:  # llmd.quant.int4 imports this module
+    from llmd.quant.int4 import Int4Weight
 
 QK = 32  # activations are quantised per block of this many inputs
 
@@ -186,10 +189,14 @@ def int4pack_mm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: to
     """``x [M, K]`` (bf16, ``1 <= M <= 1024``) times an int4 weight in torch's packed layout (one
     :func:`int4pack_layout_known` has confirmed), in the native library (kernels/cpu/int4pack_gemm.c):
     ``[M, n]`` bf16 (``n`` padded as packed, a multiple of 64)."""
-    x = x.to(torch.bfloat16).contiguous()
+    # NOTE: checks, not no-op .to()/.contiguous() calls: each of those is a dispatcher round trip.
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        x = x.to(torch.bfloat16).contiguous()
+    sz = scales_and_zeros
+    if sz.dtype != torch.bfloat16 or not sz.is_contiguous():
+        sz = sz.to(torch.bfloat16).contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    sz = scales_and_zeros.to(torch.bfloat16).contiguous()
     status = (lib or library()).llmd_int4pack_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n,
                                                         group_size, out.data_ptr(), _threads())
     if status != 0:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmd.kernels import quant_cpu
 from llmd.quant.common import QuantizedLinear, grouped, pack_int4, unpack_int4
 
 GROUP_SIZES = (32, 64, 128)
@@ -116,26 +117,24 @@ class Int4Linear(QuantizedLinear):
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Once loaded: convert to the layout of the fastest kernel for activations of ``dtype``."""
-        from llmd.kernels.quant_cpu import cpu_path, int4pack_gemm_usable, int4pack_layout_known, pack_int4_for_cpu
-
         if self.cpu_packed is not None or self.packed.device.type != "cpu":
             return
-        self.cpu_path = cpu_path(dtype, self.in_features)
+        self.cpu_path = quant_cpu.cpu_path(dtype, self.in_features)
         if self.cpu_path == "packed":
-            self.cpu_packed, scales_and_zeros = pack_int4_for_cpu(self.weight())
-            self.cpu_dense_ok = dtype == torch.bfloat16 and int4pack_layout_known(
+            self.cpu_packed, scales_and_zeros = quant_cpu.pack_int4_for_cpu(self.weight())
+            self.cpu_dense_ok = dtype == torch.bfloat16 and quant_cpu.int4pack_layout_known(
                 self.cpu_packed.shape[0], self.in_features, self.group_size)
-            self.cpu_gemm_ok = self.cpu_dense_ok and self.group_size % 32 == 0 and int4pack_gemm_usable()
+            self.cpu_gemm_ok = self.cpu_dense_ok and self.group_size % 32 == 0 and quant_cpu.int4pack_gemm_usable()
             self.cpu_scales_zeros = scales_and_zeros.to(dtype)
             # Hold one copy: ours is emptied (the buffers stay, so state_dict keys do not change).
             for name in ("packed", "scales", "mins"):
                 setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.cpu_packed is not None:
-            from llmd.kernels import quant_cpu
-
+            # NOTE: a decode step calls this 4 times a layer; each torch call skipped here (no-op
+            # .to(), reshapes, slices) is ~1 us of a ~15 ms step at one sequence.
             sz = self.cpu_scales_zeros
             rows = x2.shape[0]
             if rows >= quant_cpu.DENSE_ROWS and self.cpu_dense_ok:  # a prompt chunk
@@ -146,17 +145,18 @@ class Int4Linear(QuantizedLinear):
                 out = quant_cpu.int4pack_mm_bf16(x2, self.cpu_packed, sz, self.cpu_packed.shape[0], self.group_size)
             else:
                 out = quant_cpu.int4_mm_cpu(x2.to(sz.dtype), self.cpu_packed, self.group_size, sz)
-            out = out[:, :self.out_features].to(x.dtype)
+            if out.shape[1] != self.out_features:
+                out = out[:, :self.out_features]
+            if out.dtype != x.dtype:
+                out = out.to(x.dtype)
         elif x.is_cuda:
             from llmd.kernels.quant_matmul_triton import int4_matmul
 
             out = int4_matmul(x2, self.packed, self.scales, self.mins, self.group_size)
         elif self.cpu_path == "native":
-            from llmd.kernels.quant_cpu import int4_matmul_native
-
-            out = int4_matmul_native(x2, self.packed, self.scales, self.mins, self.group_size).to(x.dtype)
+            out = quant_cpu.int4_matmul_native(x2, self.packed, self.scales, self.mins, self.group_size).to(x.dtype)
         else:
             out = F.linear(x2, dequantize_int4(self.weight()).to(x.dtype))
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
