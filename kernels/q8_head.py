@@ -3,9 +3,11 @@
 A GGUF model usually stores its output head (or the tied embedding) as Q8_0: one fp16 scale per 32
 int8 weights. Loading it into a bf16 matrix rounds every weight (``d * q`` needs up to 19 bits of
 mantissa, bf16 has 8) and doubles the bytes a decode step reads. The native kernel reads the Q8_0
-blocks as they are and sums in fp32, so it is both faster at small batches (SmolLM2-135M's
-49152 x 576 head: ~1.5 ms against ~5 ms for torch's bf16 matmul at one row, on par at 16 rows) and
-closer to the checkpoint's values.
+blocks as they are and sums in fp32, so it is both faster at small batches and closer to the
+checkpoint's values. Its fp32 multiply-adds cost more per extra row than a bf16 matmul's bf16 dot
+products, so from MAX_ROWS + 1 rows the model takes its dense bf16 copy instead (SmolLM2-135M's
+49152 x 576 head, benchmarks/quant_matmul_cpu.py: 1 row 1.05 ms vs 3.2 ms for the bf16 matmul;
+16 rows 8.3 ms vs 5.1 ms; even near 7).
 
 :func:`q8_head_ref` is the same product in torch (dequantise, fp32 matmul): the reference the tests
 hold the kernel to, within fp32 rounding (the kernel's order of additions is fixed, see the C).
@@ -21,6 +23,7 @@ from llmd.kernels.native import library
 
 QK = 32
 MAX_K = 8192  # the C's MAX_K
+MAX_ROWS = 6  # logits rows up to which this beats the dense bf16 head (see above)
 
 
 def usable(in_features: int, group_size: int) -> bool:

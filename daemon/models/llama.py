@@ -23,6 +23,7 @@ from llmd.daemon.attention import AttentionBackend, AttentionMetadata, TorchAtte
 from llmd.daemon.config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, RMSNorm, RotaryEmbedding, apply_rope, dense_linear
 from llmd.errors import WeightMismatchError
+from llmd.kernels import q8_head
 from llmd.quant.int8 import Int8Weight, dequantize_int8
 
 log = logging.getLogger(__name__)
@@ -166,22 +167,20 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab_size]`` (fp32) for the rows of ``hidden`` that will be sampled."""
-        if self.head_q8 is not None:
-            from llmd.kernels.q8_head import q8_head
-
-            return q8_head(hidden, self.head_q8.qweight, self.head_q8.scales)
+        if self.head_q8 is not None and hidden.shape[0] <= q8_head.MAX_ROWS:
+            return q8_head.q8_head(hidden, self.head_q8.qweight, self.head_q8.scales)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
     def prepare_head(self) -> None:
         """Once loaded: keep the head's Q8_0 blocks for the native kernel (llmd.kernels.q8_head) where
         the dense head is a rounded copy of them (bf16/fp16 on the CPU); drop them elsewhere. In fp32
-        the dense head holds the checkpoint's values exactly, and torch's matmul stays the reference."""
-        from llmd.kernels.q8_head import usable
-
+        the dense head holds the checkpoint's values exactly, and torch's matmul stays the reference.
+        The kernel serves steps of up to q8_head.MAX_ROWS logits rows; larger ones (many sequences)
+        take the dense copy, faster there."""
         q8, self._head_blocks = self._head_blocks, None
         device = self.model.embed_tokens.weight.device
-        if q8 is not None and self.dtype != torch.float32 and device.type == "cpu" and usable(q8.shape[1], q8.group_size):
+        if q8 is not None and self.dtype != torch.float32 and device.type == "cpu" and q8_head.usable(q8.shape[1], q8.group_size):
             self.head_q8 = q8
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
