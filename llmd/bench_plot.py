@@ -63,7 +63,9 @@ def plot(run: BenchRun, path: Path) -> None:
     ttfts = [1000 * (r.token_times[0] - r.sent) for r in ok if r.token_times]
     itls = [1000 * (b - a) for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
     e2es = sorted(r.end - r.sent for r in ok)
-    bin_s = max(0.1, report.duration_s / 60)
+    # NOTE: bins of several decode steps: tokens arrive a step at a time, and bins near one step wide
+    # alternate between one and two steps' tokens (a saw-tooth that is only aliasing).
+    bin_s = max(0.5, report.duration_s / 30)
     starts, tok_s, in_flight = throughput_over_time(run.records, run.t0, report.duration_s, bin_s)
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
