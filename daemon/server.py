@@ -1,7 +1,9 @@
 """The daemon: one engine behind a ZeroMQ ROUTER socket (requests) and a PUB socket (stats).
 
 One thread does everything, in a loop: take every waiting message, run one engine step, route the
-step's deltas to their clients, publish stats now and then. Sends never block: a client that
+step's deltas to their clients, publish stats now and then. The one exception is reloading the model
+after an idle unload (``idle_unload_s``): a worker thread loads it while the loop keeps answering,
+and the requests that arrived meanwhile wait in the queue (their queue time includes the load). Sends never block: a client that
 reads slowly has its deltas queued (and merged) on our side while everyone else streams on, and a
 client that has gone away is noticed on the next send (``ROUTER_MANDATORY`` reports the peer
 unreachable), whereupon its requests are aborted and their KV blocks freed.
@@ -10,12 +12,15 @@ unreachable), whereupon its requests are aborted and their KV blocks freed.
 from __future__ import annotations
 
 import errno
+import gc
 import itertools
 import logging
 import os
 import signal
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -49,10 +54,13 @@ class ServerConfig:
     stats_interval_s: float = 0.25
     drain_timeout_s: float = 10.0
     tcp: str | None = None  # "host:port": also serve on TCP (requests on port, stats on port + 1)
+    idle_unload_s: float = 0.0  # free the model after this long without requests; 0: never
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1:
             raise ValueError("max_queue_len must be at least 1")
+        if not self.idle_unload_s >= 0:
+            raise ValueError("idle_unload_s must be >= 0 (0 keeps the model loaded)")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
 
@@ -72,14 +80,26 @@ class _Live:
 
 
 class Server:
+    """Args:
+        engine: the loaded engine.
+        files: the runtime dir (key, endpoints).
+        info: what ``info`` replies say about the model.
+        config: limits.
+        load_model: loads the model again the way it was loaded first; needed for
+            ``config.idle_unload_s``.
+    """
+
     def __init__(self, engine: LLMEngine, files: RuntimeFiles, info: dict[str, Any],
-                 config: ServerConfig | None = None) -> None:
+                 config: ServerConfig | None = None, load_model: Callable[[], Any] | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.files = files
         self.key = files.key
         self.info = info
         self.config = config or ServerConfig()
+        if self.config.idle_unload_s and load_model is None:
+            raise ValueError("idle unload needs a way to load the model again (load_model)")
+        self.load_model = load_model
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -122,6 +142,10 @@ class Server:
         self._public_ids = itertools.count(1)
         self._owners: dict[bytes, int] = {}  # client -> its number in the stats stream
         self._owner_numbers = itertools.count(1)
+        self.last_active = time.monotonic()  # the last step or request, for the idle unload
+        self.num_unloads = 0
+        self._loading: threading.Thread | None = None
+        self._loaded: list[Any] = []  # the loader thread's result: [model] or [exception]
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -144,7 +168,8 @@ class Server:
             while True:
                 # NOTE: replies stuck behind a full client pipe only need a retry now and then;
                 # counting them as busy would spin the loop at 100% CPU.
-                timeout = 0 if self.engine.has_unfinished() else (10 if self.outbox else 100)
+                busy = self.engine.has_unfinished() and self.engine.is_loaded
+                timeout = 0 if busy else (10 if self.outbox else 100)
                 if self.stopping and not self.live:
                     break
                 if self.stopping and time.monotonic() > (self.drain_deadline or 0):
@@ -152,7 +177,8 @@ class Server:
                     break
                 if poller.poll(timeout):
                     self._drain_incoming()
-                if self.engine.has_unfinished():
+                self._manage_model()
+                if self.engine.has_unfinished() and self.engine.is_loaded:
                     if not self._step():
                         code = 1
                         break
@@ -160,12 +186,68 @@ class Server:
                 self._keepalive()
                 self._publish_stats()
         finally:
+            if self._loading is not None:
+                self._loading.join()  # a daemon thread mid-load would die with the interpreter
             self._flush_outbox()
             self.router.close(2000)  # give the last replies (done, cancelled) time to leave
             self.pub.close(0)
             self.ctx.term()
         log.info("stopped")
         return code
+
+    # ---- idle unload -----------------------------------------------------------------------------
+
+    @property
+    def model_state(self) -> str:
+        """``loaded``, ``unloaded`` (idle) or ``loading`` (a request is waiting for the reload)."""
+        if self.engine.is_loaded:
+            return "loaded"
+        return "loading" if self._loading is not None else "unloaded"
+
+    def _manage_model(self) -> None:
+        """Unload after ``idle_unload_s`` without work; start or finish a reload once work waits."""
+        now = time.monotonic()
+        if self.engine.has_unfinished() or self.live:
+            self.last_active = now
+        if self._loading is not None and not self._loading.is_alive():
+            self._finish_reload()
+        if self.engine.is_loaded:
+            if self.config.idle_unload_s and not self.live and not self.engine.has_unfinished() \
+                    and now - self.last_active >= self.config.idle_unload_s:
+                self._unload()
+        elif self.engine.has_unfinished() and self._loading is None:
+            log.info("a request arrived: loading the model again")
+            self._loaded = []
+            self._loading = threading.Thread(target=self._reload_worker, name="llmd-reload", daemon=True)
+            self._loading.start()
+
+    def _reload_worker(self) -> None:
+        start = time.monotonic()
+        try:
+            self._loaded.append(self.load_model())
+            log.info("model loaded again in %.1fs", time.monotonic() - start)
+        except BaseException as e:  # handed to the loop, which fails the waiting requests
+            self._loaded.append(e)
+
+    def _finish_reload(self) -> None:
+        self._loading = None
+        result = self._loaded.pop() if self._loaded else RuntimeError("the loader returned nothing")
+        if isinstance(result, BaseException):
+            log.error("reloading the model failed: %s: %s", type(result).__name__, result)
+            self._cancel_all(ErrorCode.INTERNAL, f"reloading the model failed: {type(result).__name__}: {result}")
+            return
+        self.engine.load(result)
+
+    def _unload(self) -> None:
+        rss_before = _rss_bytes()
+        self.engine.unload()
+        gc.collect()
+        _release_memory()
+        self.num_unloads += 1
+        freed = rss_before - _rss_bytes()
+        log.info("idle for %.0fs: unloaded the model and KV cache (%s); the next request loads it again",
+                 time.monotonic() - self.last_active,
+                 f"{freed / 2**20:.0f} MiB returned" if freed > 0 else "memory kept by the allocator")
 
     # ---- incoming --------------------------------------------------------------------------------
 
@@ -421,13 +503,15 @@ class Server:
         s = self.engine.stats().to_dict()
         s.update(uptime_s=time.time() - self.started, num_dropped_messages=self.num_dropped,
                  num_step_failures=self.num_step_failures, num_clients=len({l.identity for l in self.live.values()}),
-                 stopping=self.stopping)
+                 stopping=self.stopping, model_state=self.model_state, num_unloads=self.num_unloads,
+                 idle_s=time.monotonic() - self.last_active)
         return s
 
     def _info(self) -> dict[str, Any]:
         return {**self.info, "version": __version__, "pid": os.getpid(), "started": self.started,
                 "max_model_len": self.engine.max_model_len, "block_size": self.engine.config.block_size,
-                "num_blocks": self.engine.num_blocks, "max_queue_len": self.config.max_queue_len}
+                "num_blocks": self.engine.num_blocks, "max_queue_len": self.config.max_queue_len,
+                "idle_unload_s": self.config.idle_unload_s}
 
     def _live_view(self) -> dict[str, Any]:
         """The block map and request table of the published stats (docs/protocol.md)."""
@@ -455,3 +539,31 @@ class Server:
             self.pub.send_multipart([b"stats", *encode(self.key, "stats", content)], zmq.NOBLOCK)
         except zmq.Again:
             pass
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _release_memory() -> None:
+    """Hand freed memory back to the system: torch's CUDA cache, and glibc's heap, which keeps
+    freed blocks below its (adaptive) mmap threshold for reuse otherwise."""
+    import ctypes
+    import ctypes.util
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    libc_name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(libc_name) if libc_name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass

@@ -135,6 +135,17 @@ class BlockPool:
                 if block.block_hash is not None:
                     self.num_cached_free += 1
 
+    def forget_cached(self) -> None:
+        """Drop every cached prefix: their K/V are gone (the KV cache was freed). Free blocks keep
+        their place in the queue; blocks in use are not allowed here."""
+        if self.num_free_blocks != self.num_blocks:
+            raise RuntimeError("cannot forget the prefix cache while blocks are in use")
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self.cached.clear()
+        self.num_cached_free = 0
+
     def cache_block(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
         """Index a full, computed block. A duplicate of an already indexed prefix stays unindexed."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:

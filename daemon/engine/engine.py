@@ -85,16 +85,17 @@ class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Any, config: EngineConfig | None = None,
                  eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
         self.config = config = config or EngineConfig()
-        self.model = model
+        self.model: LlamaForCausalLM | None = model
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = model.config.vocab_size
+        self._num_layers = model.config.num_layers
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings)
         backend = model.attn_backend
         if reason := backend.unsupported(config.block_size, model.config.head_dim, model.dtype):
             raise ValueError(f"{reason}; use --attention torch")
-        self.runner = ModelRunner(model, config.block_size)
+        self.runner: ModelRunner | None = ModelRunner(model, config.block_size)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -104,6 +105,37 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.meter = ThroughputMeter()
         self._peak_blocks_used = 0  # since take_peak_blocks_used() last ran
+
+    @property
+    def is_loaded(self) -> bool:
+        """False between :meth:`unload` and :meth:`load`: requests may queue but no step runs."""
+        return self.runner is not None
+
+    def unload(self) -> None:
+        """Free the model and the KV cache (the daemon's idle unload); the queue, counters and
+        block table bookkeeping stay. The cached prefixes are forgotten with their K/V.
+
+        Raises:
+            RuntimeError: a request is in flight.
+        """
+        if self.requests:
+            raise RuntimeError(f"cannot unload with {len(self.requests)} requests in flight")
+        self.kv.pool.forget_cached()
+        self.runner = None
+        self.model = None
+
+    def load(self, model: LlamaForCausalLM) -> None:
+        """Take the model back after :meth:`unload` (reloaded the same way): a fresh KV cache of
+        the same number of blocks.
+
+        Raises:
+            ValueError: ``model`` is not shaped like the one the engine was built for.
+        """
+        if model.config.vocab_size != self.vocab_size or model.config.num_layers != self._num_layers:
+            raise ValueError("the reloaded model differs from the one the engine was built for")
+        self.model = model
+        self.runner = ModelRunner(model, self.config.block_size)
+        self.runner.allocate_kv_cache(self.num_blocks)
 
     def _blocks_for_budget(self) -> int:
         cfg = self.config
@@ -154,7 +186,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req.seq, FinishReason.ABORT)
-        self.runner.release(request_id)
+        if self.runner is not None:  # unloaded: a queued request has nothing in the runner
+            self.runner.release(request_id)
         return RequestDelta(request_id, "", [], finished=True, finish_reason=FinishReason.ABORT.value,
                             metrics=RequestMetrics.of(req.seq))
 
@@ -163,6 +196,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         """Schedule, run the model once, sample, and return every request's new output."""
+        if self.runner is None:
+            raise RuntimeError("the model is unloaded: load() it before stepping")
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
