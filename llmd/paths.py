@@ -1,5 +1,6 @@
-"""Where llmd keeps its files: the runtime dir (sockets, connection file, lock) and the state dir
-(logs). Shared by the daemon and its clients."""
+"""Where llmd keeps its files, following the XDG base directories: the runtime dir (sockets,
+connection file, lock), the config dir (config.toml), the state dir (logs) and the data dir (saved
+chats, the models directory). Shared by the daemon and its clients."""
 
 from __future__ import annotations
 
@@ -18,16 +19,21 @@ LOCK_FILE = "daemon.lock"
 def runtime_dir(override: str | os.PathLike[str] | None = None, create: bool = True) -> Path:
     """The per-user runtime directory, created 0700 and checked to be ours.
 
-    Order: ``override`` (``--socket-dir``), ``$LLMD_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR/llmd``, then
-    ``/tmp/llmd-<uid>``.
+    Order: ``override`` (``--socket-dir``), ``$LLMD_RUNTIME_DIR``, ``socket_dir`` of the config file,
+    ``$XDG_RUNTIME_DIR/llmd``, then ``/tmp/llmd-<uid>``.
 
     Raises:
-        LlmdError: the directory exists but belongs to someone else or is open to others.
+        LlmdError: the directory exists but belongs to someone else or is open to others; the
+            config file is bad (llmd.config.ConfigError).
     """
+    from llmd.config import setting  # NOTE: here, not at the top: llmd.config imports this module
+
     if override is not None:
         path = Path(override).expanduser()
     elif os.environ.get("LLMD_RUNTIME_DIR"):
         path = Path(os.environ["LLMD_RUNTIME_DIR"]).expanduser()
+    elif (configured := setting("socket_dir")) is not None:
+        path = Path(configured)
     elif os.environ.get("XDG_RUNTIME_DIR"):
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "llmd"
     else:
@@ -83,3 +89,16 @@ def data_dir() -> Path:
 
 def log_file() -> Path:
     return state_dir() / "llmd.log"
+
+
+def config_dir() -> Path:
+    """``$XDG_CONFIG_HOME/llmd`` (default ``~/.config/llmd``); not created: the config file is optional."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "llmd"
+
+
+def default_models_dir() -> Path:
+    """``$XDG_DATA_HOME/llmd/models``: where ``llmd models`` looks for .gguf files unless the config
+    file names another ``models_dir``. Not created: an absent directory simply holds no models."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "llmd" / "models"

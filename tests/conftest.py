@@ -24,6 +24,17 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
 
 
 @pytest.fixture(autouse=True)
+def _no_user_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's config file and LLMD_* settings must not steer tests: each sees an empty config dir."""
+    from llmd.config import OPTIONS
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+    monkeypatch.delenv("LLMD_CONFIG", raising=False)
+    for option in OPTIONS.values():
+        monkeypatch.delenv(option.env, raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _reset_llmd_logging():
     """`llmd.cli.main` puts a handler on the "llmd" logger that writes to the sys.stderr of its call;
     under capsys that stream is closed after the test, so a later test's log line would hit it."""

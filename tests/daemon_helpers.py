@@ -10,12 +10,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmd.config import OPTIONS
+
 CLIENT_SCRIPT = Path(__file__).with_name("client_proc.py")
 
 
 def daemon_env(tmp: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp / "state"), PYTHONUNBUFFERED="1", **extra)
+    # NOTE: its own config dir too: module-scoped fixtures copy os.environ before the per-test
+    # isolation of conftest.py applies, and a user's config.toml must not reach test daemons.
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp / "state"), XDG_CONFIG_HOME=str(tmp / "config"),
+               PYTHONUNBUFFERED="1", **extra)
     env.pop("LLMD_RUNTIME_DIR", None)
+    env.pop("LLMD_CONFIG", None)
+    for option in OPTIONS.values():
+        env.pop(option.env, None)
     return env
 
 

@@ -1,0 +1,286 @@
+"""The config file, ``~/.config/llmd/config.toml``, and how it meets the command line.
+
+Every daemon setting has one :class:`Option`: its default, how a value is checked, its flag and its
+environment variable. The effective value of a setting is the flag if one was given, else the
+environment variable (``LLMD_KV_CACHE_MB``...) if set, else the config file's, else the default;
+:func:`resolve` also says where each value came from (``llmd config show``).
+
+The file is flat TOML, one key per option (see ``llmd config show`` for the list)::
+
+    model = "SmolLM2-135M-Instruct"   # a name from `llmd models`, a path or a cached repo id
+    quant = "int4"
+    kv_cache_mb = 2048
+    idle_unload = 30                  # minutes
+
+``$LLMD_CONFIG`` names another file; ``$XDG_CONFIG_HOME`` moves the default one.
+A systemd service sees neither the user's shell variables nor flags: the file is how it is set up.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmd.errors import LlmdError
+from llmd.paths import config_dir, default_models_dir
+from llmd.quant import QUANT_SCHEMES
+
+CONFIG_ENV = "LLMD_CONFIG"
+
+
+class ConfigError(LlmdError):
+    """The config file cannot be read, or one of its keys has a bad value."""
+
+
+def _whole(value: Any, minimum: int) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError("a whole number") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"a whole number >= {minimum}")
+    return value
+
+
+def _number(value: Any, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError("a number") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            (low < value if low_open else low <= value) and value <= high):
+        raise ValueError(f"a number in {'(' if low_open else '['}{low:g}, {high:g}]")
+    return float(value)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("a non-empty string")
+    return value
+
+
+class _Choice:
+    def __init__(self, *choices: str) -> None:
+        self.choices = choices
+
+    def __call__(self, value: Any) -> str:
+        if value not in self.choices:
+            raise ValueError("one of " + ", ".join(self.choices))
+        return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("true or false")
+    return value
+
+
+def _path(value: Any) -> str:
+    return str(Path(_text(value)).expanduser())
+
+
+def _tcp(value: Any) -> str:
+    host, _, port = _text(value).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError("HOST:PORT, e.g. 127.0.0.1:7860")
+    return value
+
+
+def _group_size(value: Any) -> int:
+    size = _whole(value, 1)
+    if size not in (32, 64, 128):
+        raise ValueError("32, 64 or 128")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting. ``parse`` checks a value from the file or a flag's text and returns it typed,
+    or raises ``ValueError`` naming what it expects."""
+
+    name: str
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+    metavar: str | None = None
+    unset: str = "(not set)"  # what ``llmd config show`` says for a None default
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "LLMD_" + self.name.upper()
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return self.parse.choices if isinstance(self.parse, _Choice) else None
+
+
+OPTIONS: dict[str, Option] = {o.name: o for o in (
+    Option("model", None, _text, "a name from `llmd models`, a .gguf file, a model directory or a cached repo id "
+                                 "(default: SmolLM2-135M-Instruct)", "NAME|PATH", "(the default model)"),
+    Option("device", "auto", _Choice("auto", "cpu", "cuda"), "where the model runs"),
+    Option("dtype", "auto", _Choice("auto", "float32", "bfloat16", "float16"),
+           "compute dtype; auto is bf16 where the CPU multiplies it natively, else fp32 (fp16 on CUDA)"),
+    Option("quant", "auto", _Choice(*QUANT_SCHEMES),
+           "how the projections are held: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks and makes other "
+           "weights INT4; int4, int8, none, or bitsandbytes' nf4 / bnb-int8"),
+    Option("group_size", None, _group_size, "int4/int8 group size (int4 default 32; int8 default per channel)",
+           unset="(per scheme)"),
+    Option("attention", "auto", _Choice("auto", "torch", "cpu", "triton"),
+           "attention kernels: auto is Triton on CUDA, the native cpu kernel on the CPU (torch if it cannot "
+           "be built); torch is the reference"),
+    Option("kv_cache_mb", None, lambda v: _whole(v, 1),
+           "memory for the KV cache in MiB (default: CPU 1024, at most a quarter of free RAM; GPU what "
+           "gpu_memory_fraction leaves)", "MIB", "(sized at start)"),
+    Option("gpu_memory_fraction", 0.8, lambda v: _number(v, 0.0, 1.0, low_open=True),
+           "share of the GPU's memory llmd may use; the rest is left to the desktop", "F"),
+    Option("block_size", 16, lambda v: _whole(v, 1), "tokens per KV block", "N"),
+    Option("max_num_seqs", 64, lambda v: _whole(v, 1), "requests running at once", "N"),
+    Option("max_batched_tokens", 512, lambda v: _whole(v, 1),
+           "tokens per engine step, prompt chunks and decodes together", "N"),
+    Option("prefix_cache", True, _bool, "reuse the KV blocks of shared prompt prefixes"),
+    Option("max_queue_len", 256, lambda v: _whole(v, 1),
+           "waiting requests beyond which new ones are refused as overloaded", "N"),
+    Option("idle_unload", 0.0, lambda v: _number(v, 0.0, 60.0 * 24 * 365),
+           "minutes without requests after which the model and KV cache are freed (reloaded on the next "
+           "request); 0 keeps them loaded", "MINUTES"),
+    Option("socket_dir", None, _path,
+           "runtime directory for sockets and the connection file (default: $XDG_RUNTIME_DIR/llmd or "
+           "/tmp/llmd-UID)", "DIR", "(per user)"),
+    Option("tcp", None, _tcp, "also serve on TCP HOST:PORT (loopback unless you name another address; "
+                              "always signed)", "HOST:PORT", "(off)"),
+    Option("models_dir", None, _path, "where `llmd models` looks for .gguf files (default: "
+                                      "$XDG_DATA_HOME/llmd/models)", "DIR", "(per user)"),
+)}
+
+
+def config_path() -> Path:
+    """``$LLMD_CONFIG``, else ``$XDG_CONFIG_HOME/llmd/config.toml`` (``~/.config/llmd/config.toml``)."""
+    if os.environ.get(CONFIG_ENV):
+        return Path(os.environ[CONFIG_ENV]).expanduser()
+    return config_dir() / "config.toml"
+
+
+def read_config_file(path: Path | None = None) -> dict[str, Any]:
+    """The file's settings, checked and typed; ``{}`` when there is no file.
+
+    Raises:
+        ConfigError: unreadable file, bad TOML, an unknown key or a bad value (named in the message).
+    """
+    path = path or config_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if os.environ.get(CONFIG_ENV):
+            raise ConfigError(f"config file {path} (from ${CONFIG_ENV}) does not exist") from None
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        option = OPTIONS.get(key)
+        if option is None:
+            close = difflib.get_close_matches(key, OPTIONS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(OPTIONS)}"
+            raise ConfigError(f"config file {path}: unknown key {key!r}{hint}")
+        try:
+            values[key] = option.parse(value)
+        except ValueError as e:
+            raise ConfigError(f"config file {path}: {key} must be {e}, got {value!r}") from None
+    return values
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def read_env() -> dict[str, Any]:
+    """The settings given as ``LLMD_<NAME>`` environment variables (empty ones are ignored).
+
+    Raises:
+        ConfigError: a variable's value is bad (the variable is named).
+    """
+    values: dict[str, Any] = {}
+    for name, option in OPTIONS.items():
+        text = os.environ.get(option.env, "").strip()
+        if not text:
+            continue
+        value: Any = text
+        if option.parse is _bool:  # text, not TOML: accept the usual spellings
+            value = True if text.lower() in _TRUE else False if text.lower() in _FALSE else text
+        try:
+            values[name] = option.parse(value)
+        except ValueError as e:
+            raise ConfigError(f"${option.env} must be {e}, got {text!r}") from None
+    return values
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The effective settings: ``values[name]`` and where each came from (``sources[name]``: the
+    flag, ``config file PATH`` or ``default``)."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def table(self) -> str:
+        width = max(map(len, self.values))
+        lines = []
+        for name, value in self.values.items():
+            shown = OPTIONS[name].unset if value is None else ("true" if value is True else "false" if value is False
+                                                       else str(value))
+            lines.append(f"{name:<{width}}  {shown:<28} {self.sources[name]}")
+        return "\n".join(lines)
+
+
+def resolve(flags: Mapping[str, Any], path: Path | None = None) -> Settings:
+    """Merge ``flags`` (option name -> value, None where the flag was not given) over the
+    environment over the config file over the defaults.
+
+    Raises:
+        ConfigError: the config file or an ``LLMD_*`` variable is bad.
+    """
+    path = path or config_path()
+    file_values = read_config_file(path)
+    env_values = read_env()
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, option in OPTIONS.items():
+        if flags.get(name) is not None:
+            values[name], sources[name] = flags[name], option.flag
+        elif name in env_values:
+            values[name], sources[name] = env_values[name], f"${option.env}"
+        elif name in file_values:
+            values[name], sources[name] = file_values[name], f"config file {path}"
+        else:
+            values[name], sources[name] = option.default, "default"
+    return Settings(values, sources)
+
+
+def setting(name: str) -> Any:
+    """One setting from the environment, else the config file, else its default (for code without
+    flags, e.g. clients looking for the socket dir)."""
+    return resolve({}).values[name]
+
+
+def models_dir() -> Path:
+    """Where .gguf files are looked up by name: the config file's ``models_dir``, else
+    ``$XDG_DATA_HOME/llmd/models``."""
+    configured = setting("models_dir")
+    return Path(configured) if configured is not None else default_models_dir()

@@ -1,0 +1,93 @@
+"""The daemon as a desktop service runs it: settings from the config file, a rotated log file that
+`llmd logs` reads, and the idle unload (memory handed back, the next request reloads and waits)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from llmd.client import Client, ServerError
+from daemon_helpers import daemon_env, start_daemon, stop_daemon, wait_for
+from tiny_models import make_hf_model, save_hf_model
+
+pytestmark = pytest.mark.slow
+
+IDLE_MINUTES = 0.02  # 1.2 s
+PROMPT = [5, 17, 33, 2, 91, 40, 8]
+
+
+def _greedy(client: Client) -> tuple[list[int], dict]:
+    result = client.generate(token_ids=PROMPT, stream=False, temperature=0, max_tokens=12, ignore_eos=True)
+    return result.token_ids, result.timings
+
+
+def _llmd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmd", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture
+def setup(tmp_path: Path):
+    # A long context, or the pool would be capped at what max_num_seqs full contexts can use.
+    model_dir = save_hf_model(make_hf_model("llama", max_position_embeddings=4096), tmp_path / "model",
+                              with_tokenizer=True)
+    env = daemon_env(tmp_path)
+    config = tmp_path / "config" / "llmd" / "config.toml"
+    config.parent.mkdir(parents=True)
+    # NOTE: a KV pool far bigger than the tiny model, so unloading it shows in the RSS.
+    config.write_text(f"idle_unload = {IDLE_MINUTES}\nkv_cache_mb = 128\nmax_queue_len = 7\n")
+    socket_dir = tmp_path / "run"
+    yield model_dir, socket_dir, env, tmp_path
+    stop_daemon(socket_dir, env)
+
+
+def test_idle_unload_frees_memory_and_the_next_request_reloads(setup) -> None:
+    model_dir, socket_dir, env, tmp = setup
+    conn = start_daemon(model_dir, socket_dir, env=env)
+    daemon = psutil.Process(conn["pid"])
+    with Client(socket_dir) as client:
+        info = client.info()
+        assert info["idle_unload_s"] == pytest.approx(60 * IDLE_MINUTES)  # from the config file
+        assert info["max_queue_len"] == 7
+        # fp32 K and V of 2 layers x 2 KV heads x 16 dims per token: the 128 MiB the config file asks for
+        assert info["num_blocks"] * info["block_size"] * (2 * 2 * 2 * 16 * 4) == 128 * 2**20
+        before, _ = _greedy(client)
+        rss_loaded = daemon.memory_info().rss
+        assert client.stats()["model_state"] == "loaded"
+        assert wait_for(lambda: client.stats()["model_state"] == "unloaded", timeout=30, interval=0.2)
+        rss_unloaded = daemon.memory_info().rss
+        assert rss_loaded - rss_unloaded > 100 * 2**20, (rss_loaded, rss_unloaded)
+
+        status = _llmd(env, "status", "--socket-dir", str(socket_dir))
+        assert "state       unloaded after 0.02 min without requests" in status.stdout, status.stdout
+
+        after, timings = _greedy(client)
+        assert after == before  # the reload is the same model
+        stats = client.stats()
+        assert stats["model_state"] == "loaded" and stats["num_unloads"] == 1
+        assert timings["queue_s"] > 0.05  # it waited for the reload, and says so
+    assert daemon.memory_info().rss - rss_unloaded > 100 * 2**20
+
+    log = _llmd(env, "logs", "-n", "200", "--socket-dir", str(socket_dir))
+    assert log.returncode == 0, log.stderr
+    assert "unloaded the model and KV cache" in log.stdout and "model loaded again" in log.stdout
+    assert str(tmp / "state" / "llmd" / "llmd.log") == json.loads((socket_dir / "daemon.json").read_text())["log_file"]
+
+
+def test_a_failed_reload_is_a_typed_error_and_the_daemon_stays_up(setup) -> None:
+    model_dir, socket_dir, env, tmp = setup
+    start_daemon(model_dir, socket_dir, env=env)
+    with Client(socket_dir) as client:
+        before, _ = _greedy(client)
+        assert wait_for(lambda: client.stats()["model_state"] == "unloaded", timeout=30, interval=0.2)
+        hidden = model_dir.rename(tmp / "moved")  # the model's files are gone while it is unloaded
+        with pytest.raises(ServerError) as err:
+            _greedy(client)
+        assert err.value.code == "internal" and "reloading the model failed" in str(err.value)
+        assert client.stats()["model_state"] == "unloaded"
+        hidden.rename(model_dir)
+        assert _greedy(client)[0] == before  # the next request tries again
