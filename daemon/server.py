@@ -3,10 +3,12 @@
 One thread does everything, in a loop: take every waiting message, run one engine step, route the
 step's deltas to their clients, publish stats now and then. The one exception is reloading the model
 after an idle unload (``idle_unload_s``): a worker thread loads it while the loop keeps answering,
-and the requests that arrived meanwhile wait in the queue (their queue time includes the load). Sends never block: a client that
-reads slowly has its deltas queued (and merged) on our side while everyone else streams on, and a
-client that has gone away is noticed on the next send (``ROUTER_MANDATORY`` reports the peer
-unreachable), whereupon its requests are aborted and their KV blocks freed.
+and the requests that arrived meanwhile wait in the queue (their queue time includes the load).
+
+Sends never block: a client that reads slowly has its deltas queued (and merged) on our side while
+everyone else streams on, and a client that has gone away is noticed on the next send
+(``ROUTER_MANDATORY`` reports the peer unreachable), whereupon its requests are aborted and their
+KV blocks freed.
 """
 
 from __future__ import annotations

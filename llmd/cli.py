@@ -14,10 +14,14 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from llmd import __version__
+from llmd import __version__, service
 from llmd.errors import LlmdError
 from llmd.quant import QUANT_SCHEMES
+
+if TYPE_CHECKING:
+    from llmd.config import Settings
 
 QUANT_HELP = ("how the projections are held: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks and makes other "
               "weights INT4; int4, int8, none, or bitsandbytes' nf4 / bnb-int8 (default: auto)")
@@ -31,16 +35,6 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return value
 
 
@@ -96,8 +90,9 @@ def _flag_type(parse: Callable[[str], object], name: str) -> Callable[[str], obj
     return convert
 
 
-def _settings(args: argparse.Namespace):  # -> llmd.config.Settings
-    """The effective settings: the flags ``args`` has and was given, over the config file."""
+def _settings(args: argparse.Namespace) -> Settings:
+    """The effective settings: the flags ``args`` has and was given, over the ``LLMD_*`` variables,
+    over the config file."""
     from llmd.config import OPTIONS, resolve
 
     return resolve({name: getattr(args, name, None) for name in OPTIONS})
@@ -149,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     start.set_defaults(func=cmd_start)
 
     config = sub.add_parser("config", help="the effective configuration and where each value comes from",
-                            description="Settings come from flags, then the config file ($LLMD_CONFIG, else "
-                                        "$XDG_CONFIG_HOME/llmd/config.toml), then the defaults.")
+                            description="Settings come from flags, then LLMD_<KEY> environment variables, then "
+                                        "the config file ($LLMD_CONFIG, else $XDG_CONFIG_HOME/llmd/config.toml), "
+                                        "then the defaults.")
     config_sub = config.add_subparsers(dest="config_command", metavar="{show,path}", required=True)
     show = config_sub.add_parser("show", help="print every setting, its value and its source; the flags of "
                                               "`llmd start` show their effect")
@@ -205,8 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quant", choices=QUANT_SCHEMES, default=None, help=QUANT_HELP)
     bench.add_argument("--attention", choices=["auto", "torch", "cpu", "triton"], default=None)
     bench.set_defaults(func=cmd_bench)
-
-    from llmd import service
 
     service.add_parser(sub)
 
@@ -274,7 +268,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def _generate_in_process(args: argparse.Namespace, settings, prompt: str) -> int:
+def _generate_in_process(args: argparse.Namespace, settings: Settings, prompt: str) -> int:
     import torch
 
     from llmd.daemon.engine.llm import LLM
@@ -429,7 +423,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return code
 
 
-def _start_background(args: argparse.Namespace, settings=None, progress: Callable[[str], None] | None = None) -> int:
+def _start_background(args: argparse.Namespace, settings: Settings | None = None,
+                      progress: Callable[[str], None] | None = None) -> int:
     """Start the daemon as a detached process and wait until it answers; ``progress`` gets the
     lines it logs meanwhile (model loading)."""
     import subprocess
