@@ -91,3 +91,21 @@ def test_a_failed_reload_is_a_typed_error_and_the_daemon_stays_up(setup) -> None
         assert client.stats()["model_state"] == "unloaded"
         hidden.rename(model_dir)
         assert _greedy(client)[0] == before  # the next request tries again
+
+
+def test_background_start_reports_progress_without_timestamps(setup) -> None:
+    """What `llmd chat --start` shows while the daemon loads: the daemon's log lines, as written
+    to the rotated log but without their timestamps."""
+    model_dir, socket_dir, env, tmp = setup
+    # NOTE: in a child process, as `llmd chat` runs it: the daemon must not be a child of pytest,
+    # or it would stay a zombie after `llmd stop` until pytest reaps it.
+    script = ("import json, sys\nfrom llmd.cli import _start_background, build_parser\nlines = []\n"
+              "_start_background(build_parser().parse_args(sys.argv[1:]), progress=lines.append)\n"
+              "print(json.dumps(lines))\n")
+    out = subprocess.run([sys.executable, "-c", script, "start", "--socket-dir", str(socket_dir), "--model",
+                          str(model_dir), "--dtype", "float32"], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr
+    lines = json.loads(out.stdout.splitlines()[-1])
+    assert lines and all(line.startswith("llmd: ") for line in lines), lines
+    log = (tmp / "state" / "llmd" / "llmd.log").read_text()
+    assert " llmd: serving " in log  # the file itself keeps them
