@@ -102,8 +102,8 @@ class TorchAttentionBackend:
         k_cache, v_cache = kv_cache
         attention_ref.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
         decode = self.decode_fn(k_cache.dtype)
-        if meta.max_query_len == 1:
-            return decode(query, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, sliding_window)
+        if meta.max_query_len == 1:  # a pure decode step: the lengths tensor built once, not one per layer
+            return decode(query, k_cache, v_cache, meta.seq_lens_tensor, meta.block_tables, scale, sliding_window)
         return attention_ref.paged_attention(
             query, k_cache, v_cache, meta.query_lens, meta.seq_lens, meta.block_tables, scale,
             sliding_window, decode=decode,
@@ -124,21 +124,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if cache_dtype in attention_cpu.CACHE_DTYPES:
             return attention_cpu.decode_attention
         return attention_ref.decode_attention  # e.g. --dtype float16: the reference reads any dtype
-
-    def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        from llmd.kernels import attention_cpu
-
-        k_cache, v_cache = kv_cache
-        if meta.max_query_len == 1 and k_cache.dtype in attention_cpu.CACHE_DTYPES:
-            # A pure decode step: the lengths tensor the metadata built once, not one per layer.
-            attention_ref.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
-            return attention_cpu.decode_attention(query, k_cache, v_cache, meta.seq_lens_tensor, meta.block_tables,
-                                                  scale, sliding_window)
-        return super().forward(query, key, value, kv_cache, meta, scale, sliding_window)
 
 
 def native_attention_usable() -> str | None:

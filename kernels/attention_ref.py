@@ -113,14 +113,15 @@ def paged_attention(
 
 
 def decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: list[int],
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: list[int] | torch.Tensor,
     block_tables: torch.Tensor, scale: float, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention for a batch of single-token queries, each the newest token of its sequence.
 
     Args:
         query: ``[B, num_heads, head_dim]``.
-        seq_lens: context length per row (the query token included).
+        seq_lens: context length per row (the query token included): a list, or the int tensor
+            AttentionMetadata builds once per step.
         block_tables: ``[B, >= max blocks]``.
 
     Returns:
@@ -129,7 +130,7 @@ def decode_attention(
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = max(seq_lens)
+    max_len = max(seq_lens) if isinstance(seq_lens, list) else int(seq_lens.max())
     num_blocks = -(-max_len // block_size)
     tables = block_tables[:, :num_blocks]
     # [B, L, KVH, D] padded to the longest context; padding is masked below.
@@ -139,7 +140,7 @@ def decode_attention(
     v = v_cache[tables].flatten(1, 2)[:, :max_len].float()
     q = query.view(batch, num_kv_heads, group, head_dim).float()
     scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
-    lens = torch.tensor(seq_lens, device=query.device)
+    lens = torch.as_tensor(seq_lens, device=query.device)
     k_pos = torch.arange(max_len, device=query.device)
     visible = k_pos[None, :] < lens[:, None]
     if sliding_window is not None:
