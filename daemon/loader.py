@@ -15,6 +15,7 @@ from llmd.daemon.attention import AttentionBackend
 from llmd.daemon.config import ModelConfig, config_from_hf
 from llmd.daemon.model_source import ModelSource
 from llmd.daemon.models import LlamaForCausalLM
+from llmd.daemon.models.llama import head_weight_name
 from llmd.daemon.progress import progress
 from llmd.daemon.weights.gguf_file import GGUFModelFile
 from llmd.daemon.weights.safetensors_files import find_safetensors_files, iter_safetensors, validate_safetensors
@@ -96,7 +97,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     except ValueError as e:
         raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
     blocks = gguf_blocks_wanted(plan, gguf_types) if gguf_types is not None else set()
-    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head_name = head_weight_name(config)
     if gguf_types is not None and gguf_types.get(head_name) == "Q8_0":
         blocks.add(head_name)  # kept as blocks for the Q8 head kernel (LlamaForCausalLM.prepare_head)
     # INT4 projections that are requantised are loaded dense, then fitted with calibration.

@@ -122,6 +122,11 @@ _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(" + "|".join(re.escape(k) for k
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 
 
+def head_weight_name(config: ModelConfig) -> str:
+    """The checkpoint name of the output head's weight (the embedding when tied)."""
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
+
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache.
 
@@ -151,8 +156,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def head_name(self) -> str:
-        """The checkpoint name of the output head's weight (the embedding when tied)."""
-        return "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        return head_weight_name(self.config)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
