@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from llmd.config import OPTIONS
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.quant.apply import QuantConfig, describe, describe_quant, weight_memory
 from llmd.errors import LlmdError
@@ -42,9 +43,11 @@ class DaemonOptions:
 def check_tcp(tcp: str | None) -> None:
     if tcp is None:
         return
-    host, _, port = tcp.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65535:
-        raise LlmdError(f"--tcp takes HOST:PORT (e.g. 127.0.0.1:7860), got {tcp!r}")
+    try:
+        OPTIONS["tcp"].parse(tcp)  # the check the flag and the config file make
+    except ValueError:
+        raise LlmdError(f"--tcp takes HOST:PORT (e.g. 127.0.0.1:7860), got {tcp!r}") from None
+    host = tcp.rpartition(":")[0]
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s: reachable from other machines (requests are still HMAC-signed)", tcp)
 
