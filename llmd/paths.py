@@ -73,16 +73,14 @@ def _alive(pid: int) -> bool:
 
 def state_dir() -> Path:
     """``$XDG_STATE_HOME/llmd`` (default ``~/.local/state/llmd``), for the daemon's log."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    path = Path(base) / "llmd"
+    path = _xdg_base("XDG_STATE_HOME", ".local/state") / "llmd"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
 
 def data_dir() -> Path:
     """``$XDG_DATA_HOME/llmd`` (default ``~/.local/share/llmd``), for saved chats."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    path = Path(base) / "llmd"
+    path = _xdg_base("XDG_DATA_HOME", ".local/share") / "llmd"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
@@ -93,12 +91,15 @@ def log_file() -> Path:
 
 def config_dir() -> Path:
     """``$XDG_CONFIG_HOME/llmd`` (default ``~/.config/llmd``); not created: the config file is optional."""
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "llmd"
+    return _xdg_base("XDG_CONFIG_HOME", ".config") / "llmd"
 
 
 def default_models_dir() -> Path:
     """``$XDG_DATA_HOME/llmd/models``: where ``llmd models`` looks for .gguf files unless the config
     file names another ``models_dir``. Not created: an absent directory simply holds no models."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "llmd" / "models"
+    return _xdg_base("XDG_DATA_HOME", ".local/share") / "llmd" / "models"
+
+
+def _xdg_base(variable: str, under_home: str) -> Path:
+    """An XDG base directory: ``$variable``, else ``~/under_home``."""
+    return Path(os.environ.get(variable) or Path.home() / under_home)

@@ -59,8 +59,7 @@ def render_launchd_plist(python: str, log_dir: Path) -> str:
 
 def systemd_unit_path() -> Path:
     """``$XDG_CONFIG_HOME/systemd/user/llmd.service`` (default ``~/.config/systemd/user``)."""
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "systemd" / "user" / UNIT_NAME
+    return paths.config_dir().parent / "systemd" / "user" / UNIT_NAME
 
 
 def launchd_plist_path() -> Path:
