@@ -57,6 +57,19 @@ class Generator:
         cache = self._new_cache(len(token_ids))
         return self.model.compute_logits(self._forward(token_ids, 0, cache))
 
+    def step_logits(self, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
+        """Logits ``[len(new_ids), vocab]``: after the prompt, then after each of ``new_ids[:-1]``
+        fed one decode step at a time (teacher-forced), which is the path the engine's decode steps
+        take (:meth:`logits` runs them as one prompt)."""
+        if not prompt_ids or not new_ids:
+            raise RequestError("the prompt and the new tokens must not be empty")
+        self._check_length(len(prompt_ids) + len(new_ids))
+        cache = self._new_cache(len(prompt_ids) + len(new_ids))
+        hidden = [self._forward(prompt_ids, 0, cache)[-1:]]
+        for i, token in enumerate(new_ids[:-1]):
+            hidden.append(self._forward([token], len(prompt_ids) + i, cache))
+        return self.model.compute_logits(torch.cat(hidden))
+
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                stop_token_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
         """Yield generated token ids until ``max_tokens`` or a stop token (which is yielded too).

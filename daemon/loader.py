@@ -98,7 +98,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
     blocks = gguf_blocks_wanted(plan, gguf_types) if gguf_types is not None else set()
     head_name = head_weight_name(config)
-    if gguf_types is not None and gguf_types.get(head_name) == "Q8_0":
+    if gguf_types is not None and gguf_types.get(head_name) == "Q8_0" and quant.scheme != "none":
         blocks.add(head_name)  # kept as blocks for the Q8 head kernel (LlamaForCausalLM.prepare_head)
     # INT4 projections that are requantised are loaded dense, then fitted with calibration.
     calibrated = calibrated_paths(plan, blocks)
@@ -120,6 +120,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
     prepare(model)
     model.eval()
-    log.info("loaded %s (%s, %d layers) in %.1fs; weights: %s", source.name, config.model_type, config.num_layers,
-             time.perf_counter() - start, describe(weight_memory(model)))
+    log.info("loaded %s (%s, %d layers) in %.1fs; weights: %s; kernels: %s", source.name, config.model_type,
+             config.num_layers, time.perf_counter() - start, describe(weight_memory(model)),
+             ", ".join(f"{k} {v}" for k, v in model.kernels().items()))
     return LoadedModel(model=model, config=config, source=source)

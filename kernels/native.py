@@ -1,8 +1,9 @@
 """The native CPU kernels (``kernels/cpu/*.c``): compiled with the system C compiler on first use,
 cached, and loaded with ctypes.
 
-The library is built for the CPU it runs on (``-march=native``: AVX2+FMA, AVX-512 where there is
-one; the C has a portable path for CPUs without AVX2) and cached under
+The library is built for the CPU it runs on, as the CPU profile allows (llmd.kernels.cpu_profile:
+``-march=native`` by default, ``-march=x86-64-v3`` under ``LLMD_CPU=avx2``, the compiler's x86-64
+baseline under ``portable``; the C has a portable path for CPUs without AVX2) and cached under
 ``$XDG_CACHE_HOME/llmd/native/<key>/``, the key covering the sources, the compiler and the CPU, so a
 changed source or a different machine builds anew. ``python -m llmd.kernels.native`` builds it
 ahead of time (``make setup`` does).
@@ -32,25 +33,28 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before ours, see above)
 
+from llmd.kernels import cpu_profile
+
 log = logging.getLogger("llmd")
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = ("quant_gemm.c", "int4pack_gemm.c", "paged_attention.c", "rope.c", "q8_head.c")
+SOURCES = ("quant_gemm.c", "int4pack_gemm.c", "paged_attention.c", "decode_step.c", "rope.c")
 LIB_NAME = "libllmd_cpu.so"
 # -ffp-contract=off: no fused multiply-adds the C did not ask for (rope.c rounds as torch does).
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
-NATIVE_ARCH = "-march=native"
 
 # name -> (argument types, result type); void* arguments take tensor.data_ptr().
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_has_avx2": ([], c_int),
     "llmd_quantize_q8": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_int], None),
-    "llmd_int4_gemm": ([c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
-                        c_int64, c_void_p, c_int], None),
-    "llmd_int8_gemm": ([c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_int64, c_void_p,
-                        c_int], None),
+    "llmd_qgemm": ([c_int, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
+                    c_int64, c_int64, c_void_p, c_int], None),
+    "llmd_qgemm_q8": ([c_int, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
+                       c_int64, c_void_p, c_int], None),
+    "llmd_decode_workspace_bytes": ([c_void_p, c_int64], c_int64),
+    "llmd_decode_step": ([c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_void_p,
+                          c_void_p], c_int),
     "llmd_rope": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_int, c_int], None),
-    "llmd_q8_head": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_int], None),
     "llmd_int4pack_gemm_vectorised": ([], c_int),
     "llmd_int4pack_gemm_bf16": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_int],
                                 c_int),
@@ -86,8 +90,8 @@ def cache_dir() -> Path:
 
 
 def build(cc: str | None = None, out_dir: Path | None = None, portable: bool = False) -> Path:
-    """Compile the library (or find it in the cache); returns its path. ``portable``: without
-    ``-march=native``, which leaves the C's portable path (no AVX2) in (tests).
+    """Compile the library (or find it in the cache); returns its path. ``portable``: for the
+    compiler's baseline CPU whatever the profile, which leaves the C's portable path (no AVX2) in (tests).
 
     Raises:
         NativeBuildError: no compiler, or compiling failed.
@@ -97,7 +101,7 @@ def build(cc: str | None = None, out_dir: Path | None = None, portable: bool = F
         raise NativeBuildError("no C compiler found (install gcc, or set CC)")
     sources = [SOURCE_DIR / name for name in SOURCES]
     headers = sorted(SOURCE_DIR.glob("*.h"))  # included by the sources: part of the key too
-    flags = FLAGS if portable else (*FLAGS, NATIVE_ARCH)
+    flags = FLAGS if portable else (*FLAGS, *cpu_profile.march_flags())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
     for part in (*(p.read_bytes() for p in (*sources, *headers)), version.encode(), " ".join(flags).encode(),
@@ -151,7 +155,7 @@ def main() -> int:
         print(f"llmd: {e}", file=sys.stderr)
         return 1
     lib = load(path)
-    print(f"{path} ({'AVX2+FMA' if lib.llmd_has_avx2() else 'portable C'})")
+    print(f"{path} ({'AVX2+FMA' if lib.llmd_has_avx2() else 'portable C'}; CPU profile {cpu_profile.describe()})")
     return 0
 
 

@@ -1,44 +1,44 @@
 """CPU matmuls on INT4 / INT8 weights: the native kernels (kernels/cpu/quant_gemm.c) and torch's.
 
-The native kernels quantise the activations to int8 per block of 32 and take integer dot
-products (the way llama.cpp runs its Q4/Q8 formats); :func:`int4_matmul_q8_ref` and
-:func:`int8_matmul_q8_ref` are the same arithmetic in torch, the ground truth of the tests and
-the path when the native library cannot be built. Measured on this project's machines (AMD EPYC,
-2 cores): see benchmarks/quant_matmul_cpu.py.
+The native kernels (any CPU with a C compiler; vectorised with AVX2) quantise the activations to
+int8 per block of 32 and take integer dot products, the way llama.cpp runs its Q4/Q8 formats, on
+weights repacked once at load so that eight output rows share each vector
+(:func:`repack_q4x8`, :func:`repack_q8x8`; :class:`PackedWeight` holds one and multiplies by it).
+:func:`qgemm_ref` is the same arithmetic in torch: the ground truth of the tests.
 
-When there is no native library, torch's packed weight-only kernels below are used instead.
-
-torch ships ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``. Measured on an AMD EPYC
-with avx512_bf16 (this project's machines), with bf16 activations and a 3072x576 weight:
-M=1: int8 36 us, int4 53 us vs 97 us for a dense bf16 matmul (memory-bound decode gains);
-M=16: int8 223 us, int4 301 us vs 134 us dense bf16. With fp32 activations the same kernels are
-5-50x slower than dense fp32, so they are used only for bf16 activations; everything else takes
-the reference path (dequantise, then a dense matmul), which is also what these are tested against.
+On a CPU with native bf16 (AVX512-BF16, AMX), bf16 models take torch's packed weight-only kernels
+and ours on torch's int4 layout (kernels/cpu/int4pack_gemm.c) instead: measured faster there
+(benchmarks/quant_matmul_cpu.py). Without the library, layers dequantise and multiply (the
+reference path).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
 
+from llmd.kernels import cpu_profile
 from llmd.kernels.native import library
-from llmd.quant.common import unpack_int4
+from llmd.quant.common import pack_int4, unpack_int4
 
-if TYPE_CHECKING:  # llmd.quant.int4 imports this module
+if TYPE_CHECKING:  # llmd.quant imports this module
     from llmd.quant.int4 import Int4Weight
+    from llmd.quant.int8 import Int8Weight
 
 QK = 32  # activations are quantised per block of this many inputs
+Q4X8, Q8X8 = 1, 2  # the C's enum llmd_weight_kind
 
 
 def cpu_path(dtype: torch.dtype, in_features: int, packed_ok: bool = True) -> str:
     """Which CPU matmul a quantised layer takes for activations of ``dtype``, fastest first:
-    ``packed`` (torch's kernels, bf16 on a CPU with native bf16: they beat ours there, see
-    benchmarks/quant_matmul_cpu.py), ``native`` (ours: any CPU with a C compiler; inputs a
-    multiple of 32), else ``reference`` (dequantise, then a dense matmul)."""
+    ``packed`` (torch's layout and kernels, bf16 on a CPU with native bf16), ``native`` (ours:
+    any CPU with a C compiler; inputs a multiple of 32), else ``reference`` (dequantise, then a
+    dense matmul)."""
     if packed_ok and packed_kernels_pay(dtype):
         return "packed"
     # NOTE: LLMD_NATIVE=0 is read here too, not only by library() (decided once per process), so
@@ -53,14 +53,14 @@ def _threads() -> int:
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` fp32 -> int8 ``xq [M, K]``, scales ``xd [M, K/32]``, block sums ``xs [M, K/32]``
-    (int32): ``xd = amax / 127`` and ``xq = round(x / xd)`` (half to even; 0 where ``xd`` is 0)."""
+    """``x [M, K]`` -> int8 ``xq [M, K]``, scales ``xd [M, K/32]`` and ``xm = xd * sum(xq)`` per block
+    (fp32): ``xd = amax / 127`` and ``xq = round(x / xd)`` (half to even; 0 where ``xd`` is 0)."""
     m, k = x.shape
     blocks = x.float().reshape(m, k // QK, QK)
     xd = blocks.abs().amax(dim=-1) / 127.0
     inv = torch.where(xd > 0, 1.0 / xd, torch.zeros_like(xd))
     xq = torch.round(blocks * inv[..., None])
-    return xq.to(torch.int8).reshape(m, k), xd, xq.sum(dim=-1).to(torch.int32)
+    return xq.to(torch.int8).reshape(m, k), xd, xd * xq.sum(dim=-1)
 
 
 def quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None
@@ -71,70 +71,138 @@ def quantize_activations(x: torch.Tensor, lib: ctypes.CDLL | None = None
     m, k = x.shape
     xq = torch.empty(m, k, dtype=torch.int8)
     xd = torch.empty(m, k // QK, dtype=torch.float32)
-    xs = torch.empty(m, k // QK, dtype=torch.int32)
-    (lib or library()).llmd_quantize_q8(x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), _threads())
-    return xq, xd, xs
+    xm = torch.empty(m, k // QK, dtype=torch.float32)
+    (lib or library()).llmd_quantize_q8(x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xm.data_ptr(), _threads())
+    return xq, xd, xm
 
 
-def _block_dots(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Exact integer dot products per block of 32: ``[M, N, K/32]`` (int64 matmul, so no rounding)."""
+def repack_q4x8(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llmd.quant's INT4 layout (``packed [N, K/2]``, fp16 ``scales``/``mins [N, K/g]``) -> the
+    native kernels' (kernels/cpu/quant_gemm.c): rows padded to a multiple of 8 (zero weights), then
+    per 8 rows and block of 32 inputs 128 bytes, byte ``32j + 4i + t`` holding row ``i``'s input
+    ``4j + t`` in its low nibble and ``16 + 4j + t`` in its high one; scales and mins
+    ``[N/8, K/g, 8]``. Lossless (:func:`unpack_q4x8` inverts it)."""
+    q = unpack_int4(packed)
+    n, k = q.shape
+    q, scales, mins = (_pad_rows(t) for t in (q, scales, mins))
+    # k = 32 b + 16 h + 4 j + t  ->  [row group, b, j, i, t, h]
+    q = q.reshape(-1, 8, k // 32, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    w = (q[..., 0] | (q[..., 1] << 4)).contiguous().reshape(-1, k // 32, 128)
+    return w, _group_scales(scales), _group_scales(mins)
+
+
+def unpack_q4x8(w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack_q4x8`: ``(packed, scales, mins)`` in llmd.quant's layout."""
+    groups, nb, _ = w.shape
+    b = w.reshape(groups, nb, 4, 8, 4)  # [G, b, j, i, t]
+    q = torch.stack((b & 0x0F, b >> 4), dim=-1)  # [G, b, j, i, t, h]
+    q = q.permute(0, 3, 1, 5, 2, 4).reshape(groups * 8, nb * 32)[:n]
+    return pack_int4(q), _ungroup_scales(scales, n), _ungroup_scales(mins, n)
+
+
+def repack_q8x8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llmd.quant's INT8 layout (``qweight [N, K]``, fp16 ``scales [N, K/g]``) -> the native
+    kernels': per 8 rows and block of 32 inputs 256 bytes, byte ``32c + 4i + t`` holding row ``i``'s
+    input ``4c + t``; scales ``[N/8, K/g, 8]``. Lossless (:func:`unpack_q8x8`)."""
+    n, k = qweight.shape
+    q = _pad_rows(qweight).reshape(-1, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [G, b, c, i, t]
+    return q.contiguous().reshape(-1, k // 32, 256).view(torch.uint8), _group_scales(_pad_rows(scales))
+
+
+def unpack_q8x8(w: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack_q8x8`: ``(qweight, scales)`` in llmd.quant's layout."""
+    groups, nb, _ = w.shape
+    q = w.view(torch.int8).reshape(groups, nb, 8, 8, 4).permute(0, 3, 1, 2, 4)
+    return q.reshape(groups * 8, nb * 32)[:n].contiguous(), _ungroup_scales(scales, n)
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % 8
+    return torch.cat((t, t.new_zeros(pad, *t.shape[1:]))) if pad else t
+
+
+def _group_scales(s: torch.Tensor) -> torch.Tensor:
+    return s.reshape(-1, 8, s.shape[1]).transpose(1, 2).contiguous()  # [N/8, K/g, 8]
+
+
+def _ungroup_scales(s: torch.Tensor, n: int) -> torch.Tensor:
+    return s.transpose(1, 2).reshape(-1, s.shape[1])[:n].contiguous()
+
+
+@dataclass(slots=True, eq=False)
+class PackedWeight:
+    """A quantised weight in the native kernels' layout, and the matmul by it: ``self(x)`` is
+    ``x [M, K] @ W^T`` in fp32 (activations quantised to int8 per 32 on the way).
+
+    Attributes:
+        kind: :data:`Q4X8` (INT4, ``w = scale * q + min``) or :data:`Q8X8` (INT8, ``w = scale * q``).
+        n, k: output and input features.
+        group_size: inputs per scale (a multiple of 32).
+        w, scales, mins: as :func:`repack_q4x8` / :func:`repack_q8x8` lay them out (``mins`` None for INT8).
+    """
+
+    kind: int
+    n: int
+    k: int
+    group_size: int
+    w: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @classmethod
+    def from_int4(cls, qw: Int4Weight) -> PackedWeight:
+        n, k = qw.shape
+        return cls(Q4X8, n, k, qw.group_size, *repack_q4x8(qw.packed, qw.scales, qw.mins))
+
+    @classmethod
+    def from_int8(cls, qw: Int8Weight) -> PackedWeight:
+        n, k = qw.shape
+        return cls(Q8X8, n, k, qw.group_size, *repack_q8x8(qw.qweight, qw.scales), None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.scales, self.mins) if t is not None)
+
+    def __call__(self, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        m, k = x.shape
+        xq = torch.empty(m, k, dtype=torch.int8)
+        xd = torch.empty(m, k // QK)
+        xm = torch.empty(m, k // QK)
+        out = torch.empty(m, self.n)
+        mins = 0 if self.mins is None else self.mins.data_ptr()
+        (lib or library()).llmd_qgemm(self.kind, x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xm.data_ptr(),
+                                      self.w.data_ptr(), self.scales.data_ptr(), mins, self.n, self.group_size,
+                                      out.data_ptr(), _threads())
+        return out
+
+
+def qgemm_ref(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (fp32) the native kernels' way, in torch: exact integer dot products per
+    block of 32, scaled in fp32 (not in the kernels' order: tests allow fp32 rounding)."""
+    xq, xd, xm = quantize_activations_ref(x.float())
     m, k = xq.shape
-    xb = xq.long().reshape(m, 1, k // QK, 1, QK)
-    qb = q.long().reshape(1, q.shape[0], k // QK, QK, 1)
-    return (xb @ qb).reshape(m, q.shape[0], k // QK)
-
-
-def int4_matmul_q8_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                       group_size: int) -> torch.Tensor:
-    """``x [M, K] @ W^T`` (fp32) the native kernel's way; torch only, for tests and small shapes."""
-    xq, xd, xs = quantize_activations_ref(x.float())
-    per_block = group_size // QK
+    if weight.kind == Q4X8:
+        packed, scales, mins = unpack_q4x8(weight.w, weight.scales, weight.mins, weight.n)
+        q = unpack_int4(packed)
+    else:
+        q, scales = unpack_q8x8(weight.w, weight.scales, weight.n)
+        mins = None
+    per_block = weight.group_size // QK
     s = scales.float().repeat_interleave(per_block, dim=1)  # [N, K/32]
-    mn = mins.float().repeat_interleave(per_block, dim=1)
-    dots = _block_dots(xq, unpack_int4(packed)).float()
-    return (dots * s[None] * xd[:, None] + mn[None] * (xd * xs.float())[:, None]).sum(-1)
-
-
-def int8_matmul_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
-                       ) -> torch.Tensor:
-    """``x [M, K] @ W^T`` (fp32) the native kernel's way; torch only, for tests and small shapes."""
-    xq, xd, _ = quantize_activations_ref(x.float())
-    s = scales.float().repeat_interleave(group_size // QK, dim=1)
-    return (_block_dots(xq, qweight).float() * s[None] * xd[:, None]).sum(-1)
-
-
-def int4_matmul_native(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                       group_size: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """:func:`int4_matmul_q8_ref` in the native library: ``[M, N]`` fp32."""
-    lib = lib or library()
-    xq, xd, xs = quantize_activations(x, lib)
-    m, k = xq.shape
-    n = packed.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
-    xm = xd * xs  # the min term's per-block factor
-    lib.llmd_int4_gemm(xq.data_ptr(), xd.data_ptr(), xm.data_ptr(), m, k, packed.data_ptr(),
-                             scales.data_ptr(), mins.data_ptr(), n, group_size, out.data_ptr(), _threads())
-    return out
-
-
-def int8_matmul_native(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """:func:`int8_matmul_q8_ref` in the native library: ``[M, N]`` fp32."""
-    lib = lib or library()
-    xq, xd, _ = quantize_activations(x, lib)
-    m, k = xq.shape
-    n = qweight.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
-    lib.llmd_int8_gemm(xq.data_ptr(), xd.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n,
-                             group_size, out.data_ptr(), _threads())
-    return out
+    dots = (xq.long().reshape(m, 1, k // QK, 1, QK) @ q.long().reshape(1, weight.n, k // QK, QK, 1))
+    out = dots.reshape(m, weight.n, k // QK).float() * s[None] * xd[:, None]
+    if mins is not None:
+        out = out + mins.float().repeat_interleave(per_block, dim=1)[None] * xm[:, None]
+    return out.sum(-1)
 
 
 def packed_kernels_pay(dtype: torch.dtype) -> bool:
     """Whether on this CPU the packed kernels beat dequantise-and-multiply for ``dtype`` activations."""
-    from llmd.daemon.device import cpu_has_fast_bf16
-
-    return dtype == torch.bfloat16 and cpu_has_fast_bf16()
+    return dtype == torch.bfloat16 and cpu_profile.has_fast_bf16()
 
 
 def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:

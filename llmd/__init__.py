@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from llmd.kernels import cpu_profile
+
+# NOTE: before anything imports torch: LLMD_CPU=avx2|portable caps torch's own CPU dispatch too.
+cpu_profile.apply_torch_env()
+
 try:
     __version__ = version("llmd")
 except PackageNotFoundError:  # running from a source tree that was never installed

@@ -214,11 +214,13 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, plan: Mapping[str, Li
 
 
 def prepare(model: nn.Module) -> None:
-    """Once loaded: convert each quantised projection to its kernel's layout for the model dtype."""
+    """Once loaded: convert each quantised projection to its kernel's layout for the model dtype,
+    then let the model set up its head and decode step on them."""
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)):
             module.prepare(model.dtype)
     model.prepare_head()
+    model.prepare_decode()
 
 
 HEAD_Q8 = "int8 g32 LM head"  # weight_memory's key for the head's Q8_0 blocks (LlamaForCausalLM.head_q8)

@@ -69,12 +69,12 @@ def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
 class Int4Linear(QuantizedLinear):
     """``y = x W^T + b`` with an INT4 ``W``, filled row block by row block (:meth:`load_rows`).
 
-    The path follows the device: Triton on CUDA; on the CPU, what :meth:`prepare` picks
-    (:func:`llmd.kernels.quant_cpu.cpu_path`): torch's packed int4 kernel (bf16 on a CPU with fast
-    bf16; the weight is converted to its layout and ours dropped, so one copy is held; calls of 256+
-    rows (long prompt chunks) expand that layout to a dense bf16 weight for the call, a faster matmul
-    there, and smaller ones take the native kernels on that layout where the CPU has AVX512-BF16),
-    our native kernel, or the reference path, which dequantises and multiplies (also before ``prepare``).
+    :meth:`prepare` binds the matmul once, when the model is loaded: Triton on CUDA; on the CPU the
+    path :func:`llmd.kernels.quant_cpu.cpu_path` picks: ``native`` (our kernels, the weight repacked
+    for them), ``packed`` (bf16 on a CPU with native bf16: torch's int4 layout, calls of 256+ rows
+    (long prompt chunks) expanding it to dense bf16 for the call, smaller ones taking our kernels on
+    that layout) or ``reference`` (dequantise, then multiply; also before ``prepare``). One layout
+    is held: ours until ``prepare``, then the chosen kernel's.
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
@@ -92,11 +92,13 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_path = "reference"  # set by prepare()
-        self.cpu_dense_ok = False  # prepare(): prompt chunks may expand torch's layout to dense bf16
-        self.cpu_gemm_ok = False  # prepare(): calls under 256 rows may take our kernels on that layout
+        self.native: quant_cpu.PackedWeight | None = None  # the `native` path's weight (its tensors are buffers)
+        self.cpu_dense_ok = False  # packed path: prompt chunks may expand torch's layout to dense bf16
+        self.cpu_gemm_ok = False  # packed path: calls under 256 rows may take our kernels on that layout
         # torch's CPU int4 layout, set by prepare() when that kernel is used.
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
+        self._matmul = self._reference_matmul
 
     def load_rows(self, start: int, weight: torch.Tensor | Int4Weight) -> None:
         """Fill output rows ``start:start + len(weight)``: an :class:`Int4Weight` with our group size
@@ -111,52 +113,74 @@ class Int4Linear(QuantizedLinear):
         self.mins[rows].copy_(weight.mins)
 
     def weight(self) -> Int4Weight:
+        """The weight in llmd.quant's layout (unpacked again from the native kernels' if need be)."""
         if self.cpu_packed is not None:
             raise RuntimeError("this layer's weight was converted to torch's CPU int4 layout by prepare()")
+        if self.native is not None:
+            w = self.native
+            return Int4Weight(*quant_cpu.unpack_q4x8(w.w, w.scales, w.mins, w.n), self.group_size)
         return Int4Weight(self.packed, self.scales, self.mins, self.group_size)
 
     def prepare(self, dtype: torch.dtype) -> None:
-        """Once loaded: convert to the layout of the fastest kernel for activations of ``dtype``."""
-        if self.cpu_packed is not None or self.packed.device.type != "cpu":
-            return
-        self.cpu_path = quant_cpu.cpu_path(dtype, self.in_features)
-        if self.cpu_path == "packed":
-            self.cpu_packed, scales_and_zeros = quant_cpu.pack_int4_for_cpu(self.weight())
+        """Once loaded: bind the fastest matmul for activations of ``dtype`` (see the class)."""
+        if self.packed.device.type == "cuda":
+            from llmd.kernels.quant_matmul_triton import int4_matmul
+
+            self._matmul = lambda x: int4_matmul(x, self.packed, self.scales, self.mins, self.group_size)
+        elif self.cpu_packed is None and self.native is None:
+            self.use(quant_cpu.cpu_path(dtype, self.in_features), dtype)
+
+    def use(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Hold the weight for the CPU matmul ``path`` and bind it (:meth:`prepare` picks it; tests
+        force one). ``dtype``: the activations', for ``packed``."""
+        qw = self.weight()
+        held = {"native": None, "packed": None, "reference": qw}
+        if path == "native":
+            self.native = quant_cpu.PackedWeight.from_int4(qw)
+            self._matmul = self.native
+        elif path == "packed":
+            self.native = None
+            self.cpu_packed, scales_and_zeros = quant_cpu.pack_int4_for_cpu(qw)
             self.cpu_dense_ok = dtype == torch.bfloat16 and quant_cpu.int4pack_layout_known(
                 self.cpu_packed.shape[0], self.in_features, self.group_size)
             self.cpu_gemm_ok = self.cpu_dense_ok and self.group_size % 32 == 0 and quant_cpu.int4pack_gemm_usable()
             self.cpu_scales_zeros = scales_and_zeros.to(dtype)
-            # Hold one copy: ours is emptied (the buffers stay, so state_dict keys do not change).
-            for name in ("packed", "scales", "mins"):
-                setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
+            self._matmul = self._packed_matmul
+        elif path == "reference":
+            self.native = None
+            self._matmul = self._reference_matmul
+        else:
+            raise ValueError(f"unknown CPU matmul path {path!r}")
+        self.cpu_path = path
+        # Hold one copy: ours only for the reference (the buffers stay, so state_dict keys do not change).
+        kept = held[path]
+        for name in ("packed", "scales", "mins"):
+            value = getattr(kept, name) if kept is not None else torch.empty(0, dtype=getattr(self, name).dtype)
+            setattr(self, name, value)
+        for name in ("w", "scales", "mins"):
+            self.register_buffer(f"native_{name}", None if self.native is None else getattr(self.native, name))
+
+    def _reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize_int4(self.weight()).to(x.dtype))
+
+    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: a decode step calls this 4 times a layer; each torch call skipped here (no-op
+        # .to(), reshapes, slices) is ~1 us of a ~15 ms step at one sequence.
+        sz, packed = self.cpu_scales_zeros, self.cpu_packed
+        if x.shape[0] >= quant_cpu.DENSE_ROWS and self.cpu_dense_ok:  # a prompt chunk
+            out = x.to(torch.bfloat16) @ quant_cpu.int4pack_to_bf16_t(packed, sz, packed.shape[0], self.in_features,
+                                                                      self.group_size)
+        elif self.cpu_gemm_ok:  # decode rows, a short chunk
+            out = quant_cpu.int4pack_mm_bf16(x, packed, sz, packed.shape[0], self.group_size)
+        else:
+            out = quant_cpu.int4_mm_cpu(x.to(sz.dtype), packed, self.group_size, sz)
+        return out if out.shape[1] == self.out_features else out[:, :self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.cpu_packed is not None:
-            # NOTE: a decode step calls this 4 times a layer; each torch call skipped here (no-op
-            # .to(), reshapes, slices) is ~1 us of a ~15 ms step at one sequence.
-            sz = self.cpu_scales_zeros
-            rows = x2.shape[0]
-            if rows >= quant_cpu.DENSE_ROWS and self.cpu_dense_ok:  # a prompt chunk
-                weight_t = quant_cpu.int4pack_to_bf16_t(self.cpu_packed, sz, self.cpu_packed.shape[0],
-                                                        self.in_features, self.group_size)
-                out = x2.to(torch.bfloat16) @ weight_t
-            elif self.cpu_gemm_ok:  # decode rows, a short chunk
-                out = quant_cpu.int4pack_mm_bf16(x2, self.cpu_packed, sz, self.cpu_packed.shape[0], self.group_size)
-            else:
-                out = quant_cpu.int4_mm_cpu(x2.to(sz.dtype), self.cpu_packed, self.group_size, sz)
-            if out.shape[1] != self.out_features:
-                out = out[:, :self.out_features]
-            if out.dtype != x.dtype:
-                out = out.to(x.dtype)
-        elif x.is_cuda:
-            from llmd.kernels.quant_matmul_triton import int4_matmul
-
-            out = int4_matmul(x2, self.packed, self.scales, self.mins, self.group_size)
-        elif self.cpu_path == "native":
-            out = quant_cpu.int4_matmul_native(x2, self.packed, self.scales, self.mins, self.group_size).to(x.dtype)
-        else:
-            out = F.linear(x2, dequantize_int4(self.weight()).to(x.dtype))
+        out = self._matmul(x2)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)

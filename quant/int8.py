@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmd.kernels import quant_cpu
 from llmd.quant.common import QuantizedLinear, check_group_size, grouped
 
 _MIN_SCALE = 2.0 ** -14  # fp16's smallest normal number
@@ -52,10 +53,11 @@ def dequantize_int8(qw: Int8Weight) -> torch.Tensor:
 class Int8Linear(QuantizedLinear):
     """``y = x W^T + b`` with an INT8 ``W``, filled row block by row block (:meth:`load_rows`).
 
-    ``group_size=None`` means one scale per output channel. The path follows the device: Triton on
-    CUDA; on the CPU, what :meth:`prepare` picks (:func:`llmd.kernels.quant_cpu.cpu_path`): torch's
-    packed int8 kernel (per-channel weights, bf16 on a CPU with fast bf16), our native kernel, or
-    the reference path (dequantise, then multiply; also before ``prepare``).
+    ``group_size=None`` means one scale per output channel. :meth:`prepare` binds the matmul once
+    the model is loaded: Triton on CUDA; on the CPU the path
+    :func:`llmd.kernels.quant_cpu.cpu_path` picks: ``native`` (our kernels, the weight repacked for
+    them), ``packed`` (torch's int8 kernel: per-channel weights, bf16 on a CPU with native bf16) or
+    ``reference`` (dequantise, then multiply; also before ``prepare``).
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int | None = None, bias: bool = False,
@@ -68,6 +70,8 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", torch.zeros(out_features, in_features // group_size, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_path = "reference"  # set by prepare()
+        self.native: quant_cpu.PackedWeight | None = None  # the `native` path's weight (its tensors are buffers)
+        self._matmul = self._reference_matmul
 
     def load_rows(self, start: int, weight: torch.Tensor | Int8Weight) -> None:
         """Fill output rows ``start:start + len(weight)``: an :class:`Int8Weight` with our group size
@@ -81,30 +85,50 @@ class Int8Linear(QuantizedLinear):
         self.scales[rows].copy_(weight.scales)
 
     def weight(self) -> Int8Weight:
+        """The weight in llmd.quant's layout (unpacked again from the native kernels' if need be)."""
+        if self.native is not None:
+            return Int8Weight(*quant_cpu.unpack_q8x8(self.native.w, self.native.scales, self.native.n),
+                              self.group_size)
         return Int8Weight(self.qweight, self.scales, self.group_size)
 
     def prepare(self, dtype: torch.dtype) -> None:
-        """Once loaded: pick the CPU kernel for activations of ``dtype`` (every kernel reads this
-        layout; torch's is per channel only)."""
-        from llmd.kernels.quant_cpu import cpu_path
-
-        if self.qweight.device.type == "cpu":
-            self.cpu_path = cpu_path(dtype, self.in_features, packed_ok=self.group_size == self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from llmd.kernels import quant_cpu
-
-        x2 = x.reshape(-1, self.in_features)
-        if x.is_cuda:
+        """Once loaded: bind the fastest matmul for activations of ``dtype`` (see the class)."""
+        if self.qweight.device.type == "cuda":
             from llmd.kernels.quant_matmul_triton import int8_matmul
 
-            out = int8_matmul(x2, self.qweight, self.scales, self.group_size)
-        elif self.group_size == self.in_features and quant_cpu.packed_kernels_pay(x.dtype):  # per channel
-            out = quant_cpu.int8_mm_cpu(x2, self.qweight, self.scales[:, 0])
-        elif self.cpu_path == "native":
-            out = quant_cpu.int8_matmul_native(x2, self.qweight, self.scales, self.group_size).to(x.dtype)
+            self._matmul = lambda x: int8_matmul(x, self.qweight, self.scales, self.group_size)
+        elif self.native is None:
+            self.use(quant_cpu.cpu_path(dtype, self.in_features, packed_ok=self.group_size == self.in_features))
+
+    def use(self, path: str) -> None:
+        """Hold the weight for the CPU matmul ``path`` and bind it (:meth:`prepare` picks it; tests
+        force one)."""
+        qw = self.weight()
+        if path == "native":
+            self.native = quant_cpu.PackedWeight.from_int8(qw)
+            self._matmul = self.native
+            self.qweight, self.scales = (torch.empty(0, dtype=t.dtype) for t in (qw.qweight, qw.scales))
+        elif path in ("packed", "reference"):
+            self.native = None
+            self.qweight, self.scales = qw.qweight, qw.scales
+            self._matmul = self._packed_matmul if path == "packed" else self._reference_matmul
         else:
-            out = F.linear(x2, dequantize_int8(self.weight()).to(x.dtype))
+            raise ValueError(f"unknown CPU matmul path {path!r}")
+        self.cpu_path = path
+        for name in ("w", "scales"):
+            self.register_buffer(f"native_{name}", None if self.native is None else getattr(self.native, name))
+
+    def _reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize_int8(self.weight()).to(x.dtype))
+
+    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_cpu.int8_mm_cpu(x, self.qweight, self.scales[:, 0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        out = self._matmul(x2)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

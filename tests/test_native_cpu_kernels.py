@@ -9,7 +9,8 @@ import ctypes
 import pytest
 import torch
 
-from llmd.kernels import native, q8_head, quant_cpu
+from llmd.kernels import native, quant_cpu
+from llmd.kernels.quant_cpu import PackedWeight
 from llmd.quant.common import pack_int4
 from llmd.quant.int4 import Int4Linear, Int4Weight, dequantize_int4, quantize_int4
 from llmd.quant.int8 import Int8Linear, Int8Weight, quantize_int8
@@ -29,7 +30,7 @@ def lib(request, tmp_path_factory) -> ctypes.CDLL:
     return portable
 
 
-# K: one block, a multiple of 256 (the AVX2 loop's 8 blocks) and ragged counts of blocks around it.
+# (m, n, k): m around the 4-row tile, n not a multiple of the 8-row groups, k from one block up.
 SHAPES = [(1, 1, 32), (1, 17, 576), (3, 33, 256), (5, 64, 288), (16, 7, 1536), (33, 40, 96)]
 
 
@@ -58,11 +59,10 @@ def test_int4_integer_parts_are_exact(lib, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n * k)
     x, q_x, q_w = exact_inputs(m, n, k, g)
     scales = torch.full((n, k // 32), 2.0 ** -3, dtype=torch.float16)
-    mins = -8 * scales  # symmetric: w = scale * (q - 8)
-    got = quant_cpu.int4_matmul_native(x, pack_int4(q_w), scales, mins, 32, lib)
+    weight = PackedWeight.from_int4(Int4Weight(pack_int4(q_w), scales, -8 * scales, 32))  # w = scale * (q - 8)
     exact = (q_x @ (q_w - 8).t()).double() * 2.0 ** -5 * 2.0 ** -3
-    assert torch.equal(got.double(), exact)
-    assert torch.equal(quant_cpu.int4_matmul_q8_ref(x, pack_int4(q_w), scales, mins, 32).double(), exact)
+    assert torch.equal(weight(x, lib).double(), exact)
+    assert torch.equal(quant_cpu.qgemm_ref(x, weight).double(), exact)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -72,8 +72,8 @@ def test_int8_integer_parts_are_exact(lib, m: int, n: int, k: int) -> None:
     q_w = torch.randint(-128, 128, (n, k), generator=g)  # -128 occurs in imported GGUF Q8_0 blocks
     q_w[0, :32] = -128
     scales = torch.full((n, 1), 2.0 ** -4, dtype=torch.float16)
-    got = quant_cpu.int8_matmul_native(x, q_w.to(torch.int8), scales, k, lib)
-    assert torch.equal(got.double(), (q_x @ q_w.t()).double() * 2.0 ** -9)
+    weight = PackedWeight.from_int8(Int8Weight(q_w.to(torch.int8), scales, k))
+    assert torch.equal(weight(x, lib).double(), (q_x @ q_w.t()).double() * 2.0 ** -9)
 
 
 def close_in_fp32(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> bool:
@@ -86,10 +86,9 @@ def test_int4_matches_reference_within_fp32_rounding(lib, m: int, n: int, k: int
     g = torch.Generator().manual_seed(m + n + group_size)
     x = torch.randn(m, k, generator=g)
     qw = quantize_int4(torch.randn(n, k, generator=g), group_size)
-    got = quant_cpu.int4_matmul_native(x, qw.packed, qw.scales, qw.mins, group_size, lib)
-    want = quant_cpu.int4_matmul_q8_ref(x, qw.packed, qw.scales, qw.mins, group_size)
+    weight = PackedWeight.from_int4(qw)
     largest_weight = qw.scales.float().abs().max() * 15 + qw.mins.float().abs().max()
-    assert close_in_fp32(got, want, x.abs().sum(-1, keepdim=True) * largest_weight)
+    assert close_in_fp32(weight(x, lib), quant_cpu.qgemm_ref(x, weight), x.abs().sum(-1, keepdim=True) * largest_weight)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -98,9 +97,45 @@ def test_int8_matches_reference_within_fp32_rounding(lib, m: int, n: int, k: int
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g)
     qw = quantize_int8(torch.randn(n, k, generator=g), group_size)
-    got = quant_cpu.int8_matmul_native(x, qw.qweight, qw.scales, qw.group_size, lib)
-    want = quant_cpu.int8_matmul_q8_ref(x, qw.qweight, qw.scales, qw.group_size)
-    assert close_in_fp32(got, want, x.abs() @ (qw.qweight.float().abs() * qw.scales.float().max()).t())
+    weight = PackedWeight.from_int8(qw)
+    terms = x.abs() @ (qw.qweight.float().abs() * qw.scales.float().max()).t()
+    assert close_in_fp32(weight(x, lib), quant_cpu.qgemm_ref(x, weight), terms)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_matmul_bits_do_not_depend_on_build_batch_or_threads(lib, kind: str, m: int, n: int, k: int) -> None:
+    """One order of operations everywhere: the portable C gives the vector build's bits, a row alone
+    gives what it gives in a batch (any place in the 4-row tiles), on one thread or two."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    weight = PackedWeight.from_int4(quantize_int4(w, 32)) if kind == "int4" else PackedWeight.from_int8(quantize_int8(w, 32))
+    got = weight(x, lib)
+    assert torch.equal(got, weight(x, native.library()))
+    for i in {0, m // 2, m - 1}:
+        assert torch.equal(weight(x[i:i + 1], lib), got[i:i + 1])
+    xq, xd, xm = quant_cpu.quantize_activations(x, lib)
+    one_thread = torch.empty(m, n)
+    mins = 0 if weight.mins is None else weight.mins.data_ptr()
+    lib.llmd_qgemm_q8(weight.kind, xq.data_ptr(), xd.data_ptr(), xm.data_ptr(), m, k, weight.w.data_ptr(),
+                      weight.scales.data_ptr(), mins, n, weight.group_size, one_thread.data_ptr(), 1)
+    assert torch.equal(one_thread, got)
+
+
+@pytest.mark.parametrize("n", [1, 8, 13, 64])
+def test_repacking_is_lossless(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    q4 = quantize_int4(torch.randn(n, 256, generator=g), 64)
+    w, s, mn = quant_cpu.repack_q4x8(q4.packed, q4.scales, q4.mins)
+    assert w.shape == (-(-n // 8), 8, 128) and s.shape == mn.shape == (-(-n // 8), 4, 8)
+    for got, want in zip(quant_cpu.unpack_q4x8(w, s, mn, n), (q4.packed, q4.scales, q4.mins)):
+        assert torch.equal(got, want)
+    q8 = quantize_int8(torch.randn(n, 256, generator=g), 32)
+    w, s = quant_cpu.repack_q8x8(q8.qweight, q8.scales)
+    assert w.shape == (-(-n // 8), 8, 256) and s.shape == (-(-n // 8), 8, 8)
+    for got, want in zip(quant_cpu.unpack_q8x8(w, s, n), (q8.qweight, q8.scales)):
+        assert torch.equal(got, want)
 
 
 def test_the_q8_reference_is_close_to_the_dequantised_matmul() -> None:
@@ -110,7 +145,7 @@ def test_the_q8_reference_is_close_to_the_dequantised_matmul() -> None:
     x, w = torch.randn(8, 576, generator=g), torch.randn(300, 576, generator=g)
     qw = quantize_int4(w, 32)
     ref = x @ dequantize_int4(qw).t()
-    got = quant_cpu.int4_matmul_q8_ref(x, qw.packed, qw.scales, qw.mins, 32)
+    got = quant_cpu.qgemm_ref(x, PackedWeight.from_int4(qw))
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -122,15 +157,15 @@ def test_layers_take_the_native_kernel_for_fp32_and_match_it(cls) -> None:
     bias = torch.randn(70, generator=g)
     layer = cls.from_weight(qw, bias)
     layer.prepare(torch.float32)
-    assert layer.cpu_path == "native"
+    assert layer.cpu_path == "native" and layer.native is not None
     x = torch.randn(2, 3, 320, generator=g)
-    if cls is Int4Linear:
-        want = quant_cpu.int4_matmul_q8_ref(x.reshape(6, 320), qw.packed, qw.scales, qw.mins, 64)
-    else:
-        want = quant_cpu.int8_matmul_q8_ref(x.reshape(6, 320), qw.qweight, qw.scales, 32)
+    want = quant_cpu.qgemm_ref(x.reshape(6, 320), layer.native)
     got = layer(x)
     assert got.shape == (2, 3, 70)
     assert torch.allclose(got.reshape(6, 70), want + bias, rtol=1e-5, atol=1e-4)
+    held = layer.weight()  # unpacked again from the kernels' layout: the same weight
+    for name in ("scales",) + (("packed", "mins") if cls is Int4Linear else ("qweight",)):
+        assert torch.equal(getattr(held, name), getattr(qw, name))
 
 
 def test_without_the_library_layers_fall_back_to_torch(monkeypatch) -> None:
@@ -273,63 +308,27 @@ def test_decode_attention_split_over_keys_matches_reference(lib, cache_dtype, se
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-# The Q8_0 LM head (kernels/cpu/q8_head.c): N not a multiple of the 4-row tile, M around the
-# 2-row tile, K from one group up.
-Q8_HEAD_SHAPES = [(1, 1, 32), (1, 4099, 576), (2, 33, 64), (3, 130, 96), (5, 7, 1536), (17, 50, 288)]
-
-
-def q8_head_inputs(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(n * k + m)
-    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half()
-    x = torch.randn(m, k, generator=g).bfloat16()
-    return x, q, d
-
-
-@pytest.mark.parametrize("m,n,k", Q8_HEAD_SHAPES)
-def test_q8_head_matches_reference_within_fp32_rounding(lib, m: int, n: int, k: int) -> None:
-    x, q, d = q8_head_inputs(m, n, k)
-    got = q8_head.q8_head(x, q, d, lib)
-    weight = (q.double().reshape(n, k // 32, 32) * d.double()[..., None]).reshape(n, k)
-    exact = x.double() @ weight.t()
-    # fp32 sums of k products: each step rounds by at most 2^-24 of the running magnitude
-    bound = k * 2.0 ** -24 * (x.double().abs() @ weight.abs().t())
-    assert ((got.double() - exact).abs() <= bound).all()
-    assert ((got.double() - q8_head.q8_head_ref(x, q, d).double()).abs() <= 2 * bound).all()
-
-
-@pytest.mark.parametrize("m,n,k", Q8_HEAD_SHAPES)
-def test_q8_head_bits_do_not_depend_on_build_batch_or_threads(lib, m: int, n: int, k: int) -> None:
-    """One order of additions everywhere: the portable build equals the AVX build bit for bit, a row
-    alone equals the same row in a batch, and one thread equals two."""
-    x, q, d = q8_head_inputs(m, n, k)
-    got = q8_head.q8_head(x, q, d, lib)
-    assert torch.equal(got, q8_head.q8_head(x, q, d, native.library()))
-    for i in range(m):
-        assert torch.equal(q8_head.q8_head(x[i:i + 1], q, d, lib), got[i:i + 1])
-    one_thread = torch.empty(m, n)
-    xf = x.float().contiguous()
-    lib.llmd_q8_head(xf.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), n, one_thread.data_ptr(), 1)
-    assert torch.equal(one_thread, got)
-
-
-def test_q8_head_usable_only_for_shapes_the_kernel_takes() -> None:
-    assert q8_head.usable(576, 32) == (native.library() is not None)
-    assert not q8_head.usable(576, 64) and not q8_head.usable(48, 32) and not q8_head.usable(16384, 32)
-
-
 # Decode steps and short prompt chunks on torch's packed int4 layout (kernels/cpu/int4pack_gemm.c):
 # (m, n, k, group).
 INT4PACK_SHAPES = [(1, 64, 32, 32), (3, 128, 576, 32), (8, 960, 576, 64), (17, 192, 1536, 128), (64, 64, 96, 32),
                    (300, 128, 64, 32)]
 
 
+def int4pack(q: torch.Tensor) -> torch.Tensor:
+    """``q [n, k]`` (0..15) in the layout the kernels read (torch's on its AVX-512 builds): row r of
+    64-row block b, input i, in nibble r % 64 // 32 of byte b * k * 32 + i * 32 + r % 32. Built here
+    so the kernels are tested on every CPU; where torch packs this way, it must agree bit for bit."""
+    n, k = q.shape
+    blocks = q.reshape(n // 64, 2, 32, k)  # [b, low/high, r % 32, i]
+    packed = (blocks[:, 0] | (blocks[:, 1] << 4)).permute(0, 2, 1).reshape(n, k // 2).to(torch.uint8).contiguous()
+    if quant_cpu.int4pack_layout_known(n, k, 32 if k % 64 else 64):
+        assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+    return packed
+
+
 def int4pack_inputs(m: int, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not quant_cpu.int4pack_layout_known(n, k, group):
-        pytest.skip("torch's int4 layout on this build is not the one the native kernels read")
     g = torch.Generator().manual_seed(m * n + k)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g), 1)
+    packed = int4pack(torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g))
     sz = ((torch.rand(k // group, n, 2, generator=g) - 0.5) * 0.2).to(torch.bfloat16)
     x = (torch.randn(m, k, generator=g) * 2).bfloat16()
     return x, packed, sz
@@ -354,9 +353,10 @@ def test_int4pack_matmul_matches_the_exact_product_within_rounding(lib, m: int, 
     exact = x.double() @ w_t
     bound = (k + 64) * 2.0 ** -24 * (x.double().abs() @ (w_t.abs() + sz.double().abs().amax())) + 2.0 ** -8 * exact.abs()
     assert ((got.double() - exact).abs() <= bound).all()
-    # torch's kernel (the same weights, rounded to bf16; it rounds on the way too): ~1e-2 of a row's largest output
-    by_torch = quant_cpu.int4_mm_cpu(x, packed, group, sz).double()
-    assert ((got.double() - by_torch).abs().amax(-1) <= 2e-2 * by_torch.abs().amax(-1)).all()
+    if quant_cpu.int4pack_layout_known(n, k, group):
+        # torch's kernel (the same weights, rounded to bf16; it rounds on the way too): ~1e-2 of a row's largest output
+        by_torch = quant_cpu.int4_mm_cpu(x, packed, group, sz).double()
+        assert ((got.double() - by_torch).abs().amax(-1) <= 2e-2 * by_torch.abs().amax(-1)).all()
 
 
 @pytest.mark.parametrize("m,n,k,group", INT4PACK_SHAPES)
@@ -381,11 +381,9 @@ def test_int4pack_matmul_adds_in_the_documented_order(lib) -> None:
     1 (q = 9, scale 1, zero 0). The input sum X goes left to right: with weights of zero 1 and
     q - 8 = 0, [1, 2^25, -2^25] gives 0 (right to left would give 1)."""
     n, k, group = 64, 32, 32
-    if not quant_cpu.int4pack_layout_known(n, k, group):
-        pytest.skip("torch's int4 layout on this build is not the one the native kernels read")
 
     def run(q: int, scale: float, zero: float, rows: list[list[float]]) -> torch.Tensor:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((n, k), q, dtype=torch.int32), 1)
+        packed = int4pack(torch.full((n, k), q, dtype=torch.int32))
         sz = torch.tensor([scale, zero]).expand(1, n, 2).to(torch.bfloat16).contiguous()
         x = torch.zeros(len(rows), k)
         for i, r in enumerate(rows):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmd.daemon.device import cpu_has_fast_bf16
+from llmd.kernels.cpu_profile import has_fast_bf16
 from llmd.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 from llmd.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
 
@@ -26,7 +26,7 @@ def test_int4_linear_bf16_matches_reference(m: int, group_size: int) -> None:
     ref = x @ dequantize_int4(qw).t() + bias
     assert rel_err(layer(x), ref) < 1e-5  # fp32 activations: the reference path
     layer.prepare(torch.bfloat16)
-    assert (layer.cpu_packed is not None) == cpu_has_fast_bf16()  # torch's kernel is used where it pays...
+    assert (layer.cpu_packed is not None) == has_fast_bf16()  # torch's kernel is used where it pays...
     if layer.cpu_packed is not None:
         assert layer.packed.numel() == 0  # ...and only its layout is held
     out = layer(x.bfloat16())
@@ -48,12 +48,14 @@ def test_int8_linear_bf16_matches_reference(m: int, group_size: int | None) -> N
     assert out.shape == (2, m, n) and rel_err(out, ref) < 2e-2
 
 
-@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="torch's packed int4 path runs on CPUs with native bf16")
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 384)])  # 100: not a 64-row layout, no expansion
 def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) -> None:
-    """256+ rows: torch's packed int4 weight is expanded to dense bf16 (kernels/cpu/quant_gemm.c) for
-    a dense matmul. The expansion is checked bit for bit against torch's own kernel (the identity
-    times the weight), and the layer's output stays within bf16 rounding of the small-batch path."""
+    """The packed path (served on CPUs with native bf16; forced here on any): 256+ rows expand
+    torch's packed int4 weight to dense bf16 (kernels/cpu/int4pack_gemm.c) for a dense matmul
+    where the layout is the one the kernels read (torch's AVX-512 builds), else torch's kernel
+    serves every call. The expansion is checked bit for bit against torch's own kernel (the
+    identity times the weight), and the layer's output stays within bf16 rounding of the
+    small-batch path."""
     from llmd.kernels import native, quant_cpu
 
     if native.library() is None:
@@ -61,8 +63,8 @@ def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) ->
     g = torch.Generator().manual_seed(n)
     qw = quantize_int4(torch.randn(n, k, generator=g), 32)
     layer = Int4Linear.from_weight(qw)
-    layer.prepare(torch.bfloat16)
-    assert layer.cpu_dense_ok == (n % 64 == 0)
+    layer.use("packed", torch.bfloat16)
+    assert layer.cpu_dense_ok == (n % 64 == 0 and quant_cpu.int4pack_layout_known(n, k, 32))
     if layer.cpu_dense_ok:
         eye = torch.eye(k, dtype=torch.bfloat16)
         by_torch = quant_cpu.int4_mm_cpu(eye, layer.cpu_packed, 32, layer.cpu_scales_zeros)
@@ -76,7 +78,7 @@ def test_prompt_chunks_expand_the_packed_weight_to_dense_bf16(n: int, k: int) ->
     assert rel_err(big, small.float()) < 1e-2
 
 
-@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="torch's packed int4 path runs on CPUs with native bf16")
+@pytest.mark.skipif(not has_fast_bf16(), reason="torch's packed int4 path runs on CPUs with native bf16")
 def test_decode_batches_take_the_native_kernels_on_the_packed_layout() -> None:
     """Under 256 rows: kernels/cpu/int4pack_gemm.c on torch's layout."""
     from llmd.kernels import quant_cpu

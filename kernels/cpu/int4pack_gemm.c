@@ -2,7 +2,7 @@
  * prompt chunks: out[M, N] (bf16) = x[M, K] (bf16) @ W[N, K]^T with W = (q - 8) * scale + zero.
  *
  * The layout is the one torch's kernel (_weight_int4pack_mm_for_cpu) reads (see
- * llmd_int4pack_to_bf16_t in quant_gemm.c): per 64 output rows and per input k, 32 bytes, byte r
+ * llmd_int4pack_to_bf16_t below): per 64 output rows and per input k, 32 bytes, byte r
  * holding row r in its low nibble and row 32 + r in its high nibble; bf16 scales and zeros
  * [K / group, N, 2].
  *
@@ -194,4 +194,35 @@ int llmd_int4pack_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8
     }
     free(xsum);
     return failed ? -1 : 0;
+}
+/* torch's CPU int4pack layout (torch._convert_weight_to_int4pack_for_cpu, AVX-512 builds) back to a
+ * dense bf16 weight, transposed: out_t [K, N]. Row n of 64-row block b, input k, is nibble
+ * n%64/32 (low, high) of byte b*K*32 + k*32 + n%32, and w = fma(q - 8, scale, zero) with
+ * scales_zeros [K/group, N, 2] bf16, as torch's kernel computes it, rounded to bf16. Transposed
+ * because then both the packed bytes and the output run along n. Prompt-sized batches multiply
+ * faster as a dense bf16 matmul than through torch's int4 kernel; llmd.kernels.quant_cpu checks the
+ * layout against torch's own kernel before trusting this (other builds pack differently). N % 64 == 0. */
+void llmd_int4pack_to_bf16_t(const uint8_t *packed, const uint16_t *scales_zeros, int64_t N, int64_t K,
+                             int64_t group, uint16_t *out_t, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t k = 0; k < K; k++) {
+        const uint16_t *sz = scales_zeros + (k / group) * N * 2;
+        uint16_t *dst = out_t + k * N;
+        for (int64_t b = 0; b < N / 64; b++) {
+            const uint8_t *src = packed + b * K * 32 + k * 32;
+            /* two straight loops (low nibbles: rows 0-31, high: 32-63) that the compiler vectorises */
+            for (int half = 0; half < 2; half++) {
+                const int64_t n0 = b * 64 + half * 32;
+                const int shift = half * 4;
+                for (int64_t r = 0; r < 32; r++) {
+                    const float q = (float)((src[r] >> shift) & 0x0f) - 8.0f;
+                    const float w = fmaf(q, llmd_bf16_to_f32(sz[2 * (n0 + r)]), llmd_bf16_to_f32(sz[2 * (n0 + r) + 1]));
+                    uint32_t bits;
+                    memcpy(&bits, &w, sizeof bits);
+                    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even (no NaN here) */
+                    dst[n0 + r] = (uint16_t)(bits >> 16);
+                }
+            }
+        }
+    }
 }

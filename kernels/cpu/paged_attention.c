@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "llmd_cpu.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -134,20 +136,35 @@ static void weighted_sum(const float *const *rows, const float *p, int64_t n, in
  * to keep every thread busy (one stream has only KVH of them); each split needs this many keys. */
 #define MIN_SPLIT_KEYS 64
 
-void llmd_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
-                                 const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
-                                 int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                                 int64_t window, float scale, float *out, int nthreads) {
+int64_t llmd_attention_splits(int64_t B, int64_t KVH, int64_t max_len, int nthreads) {
+    int64_t splits = 1;
+    while (B * KVH * splits < 2 * nthreads && max_len / (splits * 2) >= MIN_SPLIT_KEYS) splits *= 2;
+    return splits;
+}
+
+/* per split and query head: the running max, the sum of exponentials and the unnormalised output */
+int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D, int64_t splits) {
+    return splits > 1 ? B * H * splits * (D + 2) : 0;
+}
+
+void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_bf16,
+                                const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t B,
+                                int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
+                                int64_t splits, float *partial, float *out) {
     const int64_t group = H / KVH;
     const size_t elem = cache_bf16 ? 2 : 4;
     const int64_t token_stride = KVH * D;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    int64_t splits = 1;
-    while (B * KVH * splits < 2 * nthreads && max_len / (splits * 2) >= MIN_SPLIT_KEYS) splits *= 2;
-    /* per split and query head: the running max, the sum of exponentials and the unnormalised output */
-    float *partial = splits > 1 ? malloc(sizeof(float) * (size_t)(B * H * splits * (D + 2))) : NULL;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    /* this thread's scratch, sized for the longest part of a context */
+    const int64_t max_n = (max_len + splits - 1) / splits > 0 ? (max_len + splits - 1) / splits : 1;
+    float *scores = malloc(sizeof(float) * (size_t)(group * max_n));
+    /* K and V rows as fp32: the cache's own rows, or widened once for the whole group (bf16 caches) */
+    const float **k_rows = malloc(sizeof(float *) * (size_t)max_n);
+    const float **v_rows = malloc(sizeof(float *) * (size_t)max_n);
+    float *k_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
+    float *v_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * KVH * splits; task++) {
         const int64_t b = task / (KVH * splits), kvh = task / splits % KVH, split = task % splits;
         const int64_t len = seq_lens[b];
@@ -157,13 +174,6 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
         const int64_t end = start + chunk < len ? start + chunk : len;
         const int64_t n = end - start;
         const int64_t *table = block_tables + b * max_blocks;
-        const int64_t rows_n = n > 0 ? n : 1;
-        float *scores = malloc(sizeof(float) * (size_t)(group * rows_n));
-        /* K and V rows as fp32: the cache's own rows, or widened once for the whole group (bf16 caches) */
-        const float **k_rows = malloc(sizeof(float *) * (size_t)rows_n);
-        const float **v_rows = malloc(sizeof(float *) * (size_t)rows_n);
-        float *k_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(rows_n * D)) : NULL;
-        float *v_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(rows_n * D)) : NULL;
         for (int64_t pos = start; pos < end; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
             const int64_t offset = (slot * token_stride + kvh * D) * (int64_t)elem, i = pos - start;
@@ -182,7 +192,7 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
         for (int64_t g = 0; g < group; g++) {
             const int64_t h = kvh * group + g;
             float *s = scores + g * n;
-            scores_for(q + (b * H + h) * D, k_rows, n, D, scale, s);
+            scores_for(q + b * ldq + h * D, k_rows, n, D, scale, s);
             float mx = -INFINITY, total = 0.0f;
             for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
             for (int64_t i = 0; i < n; i++) {
@@ -200,14 +210,15 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
                 weighted_sum(v_rows, s, n, D, part + 2);
             }
         }
-        free(scores);
-        free(k_rows);
-        free(v_rows);
-        free(k_widened);
-        free(v_widened);
     }
+    free(scores);
+    free(k_rows);
+    free(v_rows);
+    free(k_widened);
+    free(v_widened);
     if (splits > 1) {
         /* log-sum-exp combination: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s */
+#pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++) {
             const float *parts = partial + bh * splits * (D + 2);
             float mx = -INFINITY, total = 0.0f;
@@ -223,6 +234,21 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
             }
             for (int64_t d = 0; d < D; d++) o[d] /= total;
         }
-        free(partial);
     }
+}
+
+/* Public: q [B, H, D] fp32 contiguous, out [B, H, D] fp32. */
+void llmd_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
+                                 const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                 int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                                 int64_t window, float scale, float *out, int nthreads) {
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const int64_t splits = llmd_attention_splits(B, KVH, max_len, nthreads);
+    const int64_t floats = llmd_attention_partial_floats(B, H, D, splits);
+    float *partial = floats ? malloc(sizeof(float) * (size_t)floats) : NULL;
+#pragma omp parallel num_threads(nthreads)
+    llmd_decode_attention_body(q, H * D, k_cache, v_cache, cache_bf16, block_tables, max_blocks, seq_lens, B, H, KVH,
+                               D, block_size, window, scale, splits, partial, out);
+    free(partial);
 }

@@ -1,0 +1,265 @@
+/* A whole decode step of a Llama-family model in one call: every decoder layer of M sequences'
+ * newest tokens, from their embeddings to the final norm's output (the LM head stays outside).
+ *
+ * Why: at one sequence a decoder layer's arithmetic takes microseconds, and running it as ~40 torch
+ * operations cost more in dispatch and Python than in arithmetic (~1,200 operations a step). Here
+ * one OpenMP parallel region runs the whole step: each phase below is a worksharing loop over the
+ * region's threads (torch's own OpenMP pool: the library links the libgomp torch loaded), ending in
+ * a barrier, and the weights are read by the quantised matmuls of quant_gemm.c.
+ *
+ * Per layer:  h = rmsnorm(x) * w_in;  qkv = h Wqkv (+ b);  q/k norms (Qwen3);  RoPE on q and k;
+ *             k, v into the paged cache at the tokens' slots;  a = attention(q, cache);
+ *             x += a Wo (+ b);  h = rmsnorm(x) * w_post;  g, u = h Wgu;  x += (silu(g) * u) Wdown.
+ * The residual stream x stays fp32 whatever the model dtype (the cache is fp32 or bf16); each
+ * matmul quantises its input to int8 per 32 (llama.cpp's Q8 activations). The reference is the
+ * model's torch code (llmd.daemon.models.llama); the two agree to within the activation
+ * quantisation, which tests measure by log-probabilities and perplexity, not bit for bit.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "llmd_cpu.h"
+#include "scalar.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DS_AVX2 1
+#endif
+
+/* The structs are mirrored by ctypes in llmd.kernels.decode_cpu: change both together. */
+typedef struct {
+    int32_t kind, group; /* enum llmd_weight_kind; inputs per scale */
+    int64_t n, k;        /* output and input features (n unpadded) */
+    const uint8_t *w;
+    const uint16_t *scales, *mins; /* fp16 [ceil(n/8), k/group, 8]; mins NULL for Q8X8 */
+    const float *bias;             /* [n] or NULL */
+} llmd_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim], or NULL */
+    llmd_linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16 */
+    int64_t window;          /* sliding window, 0 for none */
+} llmd_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int32_t cache_bf16, nthreads;
+    float eps, scale;        /* RMSNorm epsilon, attention scale */
+    const float *inv_freq;   /* [head_dim / 2] RoPE inverse frequencies (scaling applied) */
+    const float *final_norm; /* [hidden] */
+    const llmd_layer *layers;
+} llmd_model;
+
+/* ---- the step's buffers, carved out of one workspace ---- */
+
+typedef struct {
+    float *h, *qkv, *attn, *tmp, *gu, *act, *xd, *xm, *cos, *sin, *partial;
+    int8_t *xq;
+} buffers;
+
+static int64_t max_splits(int nthreads) {
+    int64_t s = 1;
+    while (s < 2 * nthreads) s *= 2;
+    return s;
+}
+
+#define ALIGN 64
+static size_t carve(buffers *b, const llmd_model *md, int64_t M, char *base) {
+    const int64_t H = md->hidden, D = md->head_dim, q = md->num_heads * D, kv = md->num_kv_heads * D;
+    int64_t kmax = H > q ? H : q;
+    kmax = kmax > md->intermediate ? kmax : md->intermediate;
+    size_t off = 0;
+#define TAKE(field, type, count)                                              \
+    do {                                                                      \
+        if (base) b->field = (type *)(base + off);                            \
+        off += ((sizeof(type) * (size_t)(count) + ALIGN - 1) / ALIGN) * ALIGN; \
+    } while (0)
+    TAKE(h, float, M * H);
+    TAKE(qkv, float, M * (q + 2 * kv));
+    TAKE(attn, float, M * q);
+    TAKE(tmp, float, M * H);
+    TAKE(gu, float, M * 2 * md->intermediate);
+    TAKE(act, float, M * md->intermediate);
+    TAKE(xq, int8_t, M * kmax);
+    TAKE(xd, float, M * kmax / LLMD_QK);
+    TAKE(xm, float, M * kmax / LLMD_QK);
+    TAKE(cos, float, M * D / 2);
+    TAKE(sin, float, M * D / 2);
+    TAKE(partial, float, llmd_attention_partial_floats(M, md->num_heads, D, max_splits(md->nthreads)) + 1);
+#undef TAKE
+    return off;
+}
+
+/* Bytes of workspace a step of M rows needs (the caller keeps one and grows it). */
+int64_t llmd_decode_workspace_bytes(const llmd_model *md, int64_t M) {
+    buffers b;
+    return (int64_t)carve(&b, md, M, NULL) + ALIGN;
+}
+
+/* ---- elementwise pieces (one row each; the caller splits rows between threads) ---- */
+
+static inline float sum_squares(const float *x, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#ifdef DS_AVX2
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        acc = _mm256_fmadd_ps(a, a, acc);
+        acc2 = _mm256_fmadd_ps(b, b, acc2);
+    }
+    acc = _mm256_add_ps(acc, acc2);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    total = _mm_cvtss_f32(s);
+#endif
+    for (; i < n; i++) total += x[i] * x[i];
+    return total;
+}
+
+/* y = w * (x / sqrt(mean(x^2) + eps)), as the reference RMSNorm (normalise, then weight). */
+static inline void rmsnorm_row(const float *x, const float *w, int64_t n, float eps, float *y) {
+    const float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
+}
+
+#ifdef DS_AVX2
+/* e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial;
+ * within 2 ulp of expf over the clamped range). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+#endif
+
+/* act = silu(gate) * up = gate / (1 + e^-gate) * up */
+static inline void silu_mul_row(const float *gate, const float *up, int64_t n, float *act) {
+    int64_t i = 0;
+#ifdef DS_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_xor_ps(g, neg));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* Rotate-half RoPE of `heads` heads of D in place (cos/sin [D/2]: the two halves share them). */
+static inline void rope_row(float *v, int64_t heads, int64_t D, const float *c, const float *s) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *x = v + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * c[i] - x2 * s[i];
+            x[i + half] = x2 * c[i] + x1 * s[i];
+        }
+    }
+}
+
+static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *d = dst;
+    for (int64_t i = 0; i < n; i++) d[i] = llmd_f32_to_bf16(src[i]);
+}
+
+/* out = x W^T (+ b), x [M, l->k]: quantise, multiply (each a worksharing loop). */
+static void linear(const llmd_linear *l, const float *x, int64_t M, const buffers *b, float *out) {
+    llmd_q8_quantize_body(x, M, l->k, b->xq, b->xd, b->xm);
+    llmd_qgemm_body(l->kind, b->xq, b->xd, l->kind == LLMD_Q4X8 ? b->xm : NULL, M, l->k, l->w, l->scales, l->mins,
+                    l->n, l->group, out, l->n);
+    if (l->bias) {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < l->n; i++) out[m * l->n + i] += l->bias[i];
+    }
+}
+
+/* x [M, hidden] fp32: the tokens' embeddings in, the residual stream after the last layer out
+ * (overwritten); out [M, hidden]: the final norm of it. positions/slots [M]; block_tables
+ * [M, max_blocks]; seq_lens [M] (the new token included). workspace: at least
+ * llmd_decode_workspace_bytes(md, M) bytes. Returns 0, or -1 for a shape it does not take. */
+int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *positions, const int64_t *slots,
+                     const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, void *workspace,
+                     float *out) {
+    const int64_t H = md->hidden, D = md->head_dim, NH = md->num_heads, KVH = md->num_kv_heads, I = md->intermediate;
+    const int64_t q_size = NH * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size, half = D / 2;
+    if (M < 1 || D % 2 || NH % KVH || H % LLMD_QK || q_size % LLMD_QK || I % LLMD_QK) return -1;
+    buffers b;
+    char *base = (char *)(((uintptr_t)workspace + ALIGN - 1) / ALIGN * ALIGN);
+    carve(&b, md, M, base);
+    int64_t max_len = 0;
+    for (int64_t m = 0; m < M; m++) max_len = seq_lens[m] > max_len ? seq_lens[m] : max_len;
+    const int64_t splits = llmd_attention_splits(M, KVH, max_len, md->nthreads);
+    const int bf16 = md->cache_bf16;
+    const size_t token_bytes = (size_t)kv_size * (bf16 ? 2 : 4);
+#pragma omp parallel num_threads(md->nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < half; i++) {
+                const float f = (float)positions[m] * md->inv_freq[i];
+                b.cos[m * half + i] = cosf(f);
+                b.sin[m * half + i] = sinf(f);
+            }
+        for (int64_t l = 0; l < md->num_layers; l++) {
+            const llmd_layer *ly = &md->layers[l];
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) rmsnorm_row(x + m * H, ly->input_norm, H, md->eps, b.h + m * H);
+            linear(&ly->qkv, b.h, M, &b, b.qkv);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                float *qr = b.qkv + m * qkv_size, *kr = qr + q_size, *vr = kr + kv_size;
+                if (ly->q_norm) {
+                    for (int64_t h = 0; h < NH; h++) rmsnorm_row(qr + h * D, ly->q_norm, D, md->eps, qr + h * D);
+                    for (int64_t h = 0; h < KVH; h++) rmsnorm_row(kr + h * D, ly->k_norm, D, md->eps, kr + h * D);
+                }
+                rope_row(qr, NH, D, b.cos + m * half, b.sin + m * half);
+                rope_row(kr, KVH, D, b.cos + m * half, b.sin + m * half);
+                store_row((char *)ly->k_cache + slots[m] * token_bytes, kr, kv_size, bf16);
+                store_row((char *)ly->v_cache + slots[m] * token_bytes, vr, kv_size, bf16);
+            }
+            llmd_decode_attention_body(b.qkv, qkv_size, ly->k_cache, ly->v_cache, bf16, block_tables, max_blocks,
+                                       seq_lens, M, NH, KVH, D, md->block_size, ly->window, md->scale, splits,
+                                       b.partial, b.attn);
+            linear(&ly->o, b.attn, M, &b, b.tmp);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                float *xr = x + m * H;
+                for (int64_t i = 0; i < H; i++) xr[i] += b.tmp[m * H + i];
+                rmsnorm_row(xr, ly->post_norm, H, md->eps, b.h + m * H);
+            }
+            linear(&ly->gate_up, b.h, M, &b, b.gu);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) silu_mul_row(b.gu + m * 2 * I, b.gu + m * 2 * I + I, I, b.act + m * I);
+            linear(&ly->down, b.act, M, &b, b.tmp);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t i = 0; i < H; i++) x[m * H + i] += b.tmp[m * H + i];
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) rmsnorm_row(x + m * H, md->final_norm, H, md->eps, out + m * H);
+    }
+    return 0;
+}

@@ -1,0 +1,36 @@
+/* What the native CPU kernels share between files: the building blocks the fused decode step
+ * (decode_step.c) strings together. Each body is an OpenMP worksharing loop without a parallel
+ * region of its own ("orphaned"): called inside a parallel region, its iterations are split between
+ * the region's threads and it ends with a barrier; called outside one, it runs on the caller's
+ * thread. The public llmd_* entry points wrap each in a parallel region of their own.
+ */
+#ifndef LLMD_CPU_H
+#define LLMD_CPU_H
+
+#include <stdint.h>
+
+#define LLMD_QK 32 /* activations are quantised per block of this many inputs */
+
+/* Weight layouts the quantised matmuls read (llmd.kernels.quant_cpu repacks llmd.quant's). */
+enum llmd_weight_kind { LLMD_Q4X8 = 1, LLMD_Q8X8 = 2 };
+
+/* x [M, K] fp32 -> xq [M, K] int8, xd [M, K/32] (scale of each block of 32), xm [M, K/32]
+ * (xd * the block's sum of xq: what the int4 min term multiplies). */
+void llmd_q8_quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xm);
+
+/* out[m * ldo + n] = x[m] . W[n] for n < N, from activations quantised by llmd_q8_quantize_body.
+ * Q4X8: w, scales, mins as laid out by llmd.kernels.quant_cpu.repack_q4x8; Q8X8: mins is NULL. */
+void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *xm, int64_t M, int64_t K,
+                     const uint8_t *w, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t group,
+                     float *out, int64_t ldo);
+
+/* Decode attention (paged_attention.c): q rows of stride ldq (floats), out [B, H * D]. `partial`:
+ * llmd_attention_partial_floats(...) floats of scratch when splits > 1, else unused. */
+int64_t llmd_attention_splits(int64_t B, int64_t KVH, int64_t max_len, int nthreads);
+int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D, int64_t splits);
+void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_bf16,
+                                const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t B,
+                                int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
+                                int64_t splits, float *partial, float *out);
+
+#endif

@@ -1,0 +1,155 @@
+"""A whole decode step in one native call (kernels/cpu/decode_step.c): every decoder layer of a
+batch of one-token rows, over the paged KV cache, from embeddings to the final norm.
+
+The model builds a :class:`DecodeStep` from plain tensors once it is loaded (``LlamaForCausalLM.
+prepare_decode``) and hands it each pure decode step; prompt chunks keep the per-layer torch path.
+Everything the C reads lives in tensors this object holds: the weights (those of the quantised
+layers, shared, not copied), the norms in fp32, the KV cache pointers (:meth:`bind_cache`, again
+after a reload) and a workspace that grows with the batch and is then reused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
+from dataclasses import dataclass
+
+import torch
+
+from llmd.kernels.native import library
+from llmd.kernels.quant_cpu import PackedWeight
+
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", c_int32), ("group", c_int32), ("n", c_int64), ("k", c_int64), ("w", c_void_p),
+                ("scales", c_void_p), ("mins", c_void_p), ("bias", c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
+                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("cache_bf16", c_int32),
+                ("nthreads", c_int32), ("eps", c_float), ("scale", c_float), ("inv_freq", c_void_p),
+                ("final_norm", c_void_p), ("layers", POINTER(_Layer))]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer as the native step reads it."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PackedWeight
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    sliding_window: int | None = None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeStep:
+    """The native decode step of one model.
+
+    Args:
+        layers: the decoder layers' weights, in order.
+        final_norm: the final RMSNorm's weight.
+        inv_freq: RoPE inverse frequencies ``[head_dim / 2]`` (scaling applied).
+        num_heads, num_kv_heads, head_dim, eps: the model's shape; ``scale`` the attention's.
+        threads: OpenMP threads (torch's count).
+        lib: another build of the native library (tests).
+
+    Raises:
+        ValueError: shapes the native step does not take (the caller keeps the torch path).
+    """
+
+    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int, eps: float, scale: float, threads: int,
+                 lib: ctypes.CDLL | None = None) -> None:
+        self._lib = lib or library()
+        if self._lib is None:
+            raise ValueError("the native CPU library is not available")
+        hidden = final_norm.shape[0]
+        intermediate = layers[0].down.k
+        if head_dim % 2 or num_heads % num_kv_heads or any(d % 32 for d in (hidden, num_heads * head_dim,
+                                                                              intermediate)):
+            raise ValueError(f"shapes the native decode step does not take (hidden {hidden}, heads {num_heads}x"
+                             f"{head_dim}, intermediate {intermediate})")
+        keep: list[torch.Tensor] = []  # everything the C points at stays alive with this object
+
+        def f32(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach().float().contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
+        def linear(w: PackedWeight, bias: torch.Tensor | None) -> _Linear:
+            return _Linear(w.kind, w.group_size, w.n, w.k, _ptr(w.w), _ptr(w.scales), _ptr(w.mins), f32(bias))
+
+        self._layers = (_Layer * len(layers))()
+        for struct, lw in zip(self._layers, layers):
+            struct.input_norm, struct.post_norm = f32(lw.input_norm), f32(lw.post_norm)
+            struct.q_norm, struct.k_norm = f32(lw.q_norm), f32(lw.k_norm)
+            struct.qkv, struct.o = linear(lw.qkv, lw.qkv_bias), linear(lw.o, lw.o_bias)
+            struct.gate_up, struct.down = linear(lw.gate_up, None), linear(lw.down, None)
+            struct.window = lw.sliding_window or 0
+        self._weights = layers
+        self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, 0, 0, threads, eps,
+                             scale, f32(inv_freq), f32(final_norm), self._layers)
+        self._keep = keep
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+        self.hidden = hidden
+
+    def bind_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point the layers at a KV cache (per layer ``[num_blocks, block_size, kv_heads, head_dim]``
+        K and V, fp32 or bf16, contiguous).
+
+        Raises:
+            ValueError: a cache the native step cannot read.
+        """
+        k0 = kv_caches[0][0]
+        if k0.dtype not in CACHE_DTYPES or any(not (k.is_contiguous() and v.is_contiguous()) or k.dtype != k0.dtype
+                                               or v.dtype != k0.dtype for k, v in kv_caches):
+            raise ValueError("the native decode step reads contiguous fp32 or bf16 KV caches")
+        for struct, (k, v) in zip(self._layers, kv_caches):
+            struct.k_cache, struct.v_cache = k.data_ptr(), v.data_ptr()
+        self._model.block_size = k0.shape[1]
+        self._model.cache_bf16 = int(k0.dtype == torch.bfloat16)
+        self._caches = kv_caches
+
+    def bound_to(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        return kv_caches is self._caches
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor) -> torch.Tensor:
+        """Run the step: ``x [M, hidden]`` the new tokens' embeddings (any float dtype; an fp32 one is
+        overwritten), ``positions``/``slots`` ``[M]`` int64, ``block_tables [M, W]`` int64, ``seq_lens
+        [M]`` int32 (the new token included). Returns the final norm's output ``[M, hidden]`` fp32."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        m = x.shape[0]
+        need = self._lib.llmd_decode_workspace_bytes(ctypes.addressof(self._model), m)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.uint8)
+        out = torch.empty(m, self.hidden)
+        status = self._lib.llmd_decode_step(ctypes.addressof(self._model), x.data_ptr(), m, positions.data_ptr(),
+                                            slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                                            seq_lens.data_ptr(), self._workspace.data_ptr(), out.data_ptr())
+        if status != 0:
+            raise ValueError(f"the native decode step refused a batch of {m} rows")
+        return out
