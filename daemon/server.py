@@ -421,6 +421,9 @@ class Server:
             "queue_s": m.queue_time if m else None, "ttft_s": m.ttft if m else None,
             "e2e_s": m.e2e if m else None, "decode_tokens_per_s": m.decode_tokens_per_s if m else None,
         }
+        if delta is not None and delta.prompt_logprobs is not None:
+            content["prompt_logprobs"] = [None if lp is None else [lp[0], [list(p) for p in lp[1]]]
+                                          for lp in delta.prompt_logprobs]
         self._queue(live.identity, ("done", content, live.parent))
 
     def _cancel_all(self, code: str, message: str) -> None:

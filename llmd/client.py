@@ -59,6 +59,8 @@ class Result:
     finish_reason: str | None
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
+    # with params prompt_logprobs: per prompt token, None (the first) or [logprob, [[token, logprob], ...]]
+    prompt_logprobs: list[Any] | None = None
 
 
 def load_connection(socket_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -136,7 +138,8 @@ def _check(msg: Message) -> Message:
 
 def _result(request_id: str, done: dict[str, Any], text: str = "", token_ids: list[int] | None = None) -> Result:
     return Result(request_id, done.get("text", text), done.get("token_ids", token_ids or []),
-                  done.get("finish_reason"), done.get("usage", {}), done.get("timings", {}))
+                  done.get("finish_reason"), done.get("usage", {}), done.get("timings", {}),
+                  done.get("prompt_logprobs"))
 
 
 class Stream:

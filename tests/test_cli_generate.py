@@ -63,13 +63,21 @@ def test_progress_lines_when_not_a_terminal(capsys, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_answers_paris_from_the_command_line() -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # one of them is --dtype auto
+def test_default_model_continues_paris_from_the_command_line(dtype: str) -> None:
+    """The canary through the command line (tests/test_quality.py has its margin, > 4 logits, in
+    every setup): the chat prompt with the assistant's answer begun, as a raw prompt."""
+    from llmd.daemon.model_source import resolve_model
+    from llmd.daemon.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(None))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=False) + "The capital of France is"
     proc = subprocess.run(
-        [sys.executable, "-m", "llmd", "generate", "What is the capital of France?", "--temperature", "0"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [sys.executable, "-m", "llmd", "generate", prompt, "--raw", "--temperature", "0", "--max-tokens", "2",
+         "--dtype", dtype],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
+    assert proc.stdout.startswith(" Paris"), proc.stdout
     assert "Traceback" not in proc.stderr
-

@@ -70,6 +70,8 @@ class _Request:
     seq: Sequence
     detok: RequestDetokenizer
     logprobs: list[Logprob] = field(default_factory=list)
+    # per prompt position (the first has none), filled as the prompt is computed
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class LLMEngine:
@@ -177,6 +179,8 @@ class LLMEngine:
             )
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, owner=owner)
         self.requests[request_id] = _Request(seq, RequestDetokenizer(self.tokenizer, params.stop))
+        if params.prompt_logprobs is not None:
+            self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
         self.scheduler.add(seq)
         return seq
 
@@ -206,7 +210,12 @@ class LLMEngine:
         start = time.monotonic()
         num_prompt = sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
                          for seq, n in zip(batch.seqs, batch.num_new_tokens))
-        sampled, result = self.runner.run(batch)
+        out = self.runner.run(batch)
+        sampled, result = out.sampled, out.result
+        for row, (first, scored) in out.prompt_logprobs.items():
+            req = self.requests.get(batch.seqs[row].request_id)
+            if req is not None:
+                req.prompt_logprobs[first:first + len(scored)] = scored
         self.scheduler.update(batch, sampled)
         self.meter.record(start, num_prompt, sum(t is not None for t in sampled))
         logprobs = iter(result.logprobs if result is not None else ())
@@ -241,6 +250,7 @@ class LLMEngine:
             delta.finished = True
             delta.finish_reason = seq.finish_reason.value
             delta.metrics = RequestMetrics.of(seq)
+            delta.prompt_logprobs = req.prompt_logprobs
             del self.requests[seq.request_id]
             self.runner.release(seq.request_id)
         return delta

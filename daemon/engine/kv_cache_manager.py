@@ -66,8 +66,10 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
-        """The longest cached prefix of ``seq`` as ``(blocks, num_tokens)``; takes no references."""
-        if not self.enable_prefix_caching:
+        """The longest cached prefix of ``seq`` as ``(blocks, num_tokens)``; takes no references.
+        None for a request that wants its prompt's log-probabilities: those need every prompt
+        token computed (its own blocks are still cached for later requests)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return [], 0
         self.update_block_hashes(seq)
         bs = self.block_size

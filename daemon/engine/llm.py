@@ -136,6 +136,6 @@ def _join(request_id: str, prompt_ids: list[int], deltas: list[RequestDelta]) ->
     return RequestOutput(
         request_id=request_id, prompt_token_ids=prompt_ids, text="".join(d.text for d in deltas),
         token_ids=[t for d in deltas for t in d.token_ids], finish_reason=last.finish_reason,
-        metrics=metrics, logprobs=logprobs or None,
+        metrics=metrics, logprobs=logprobs or None, prompt_logprobs=last.prompt_logprobs,
     )
 

@@ -3,16 +3,20 @@
 Inputs, per DESIGN.md: ``input_ids[T]``, ``positions[T]``, ``slot_mapping[T]``, and per sequence
 ``query_lens``, ``seq_lens`` and ``block_tables``. No padding to a rectangle: prompt chunks and
 decode tokens of different sequences sit side by side. Logits are computed only for the last
-token of each sequence that samples in this step.
+token of each sequence that samples in this step, and for the prompt rows of requests that asked
+for their prompt's log-probabilities.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from llmd.daemon.attention import AttentionMetadata
 from llmd.daemon.device import host_tensor
-from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler
+from llmd.daemon.engine.outputs import Logprob
+from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler, top_logprobs
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch
 from llmd.daemon.engine.sequence import Sequence
@@ -23,6 +27,17 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
     """Bytes one block takes across all layers, K and V."""
     cfg = model.config
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced: per scheduled sequence the sampled token (None while its prompt is
+    unfinished), the sampler's result for the sampled rows, and for sequences that asked for
+    prompt log-probabilities ``{batch row: (position of the first token scored, [Logprob, ...])}``."""
+
+    sampled: list[int | None]
+    result: SampleResult | None
+    prompt_logprobs: dict[int, tuple[int, list[Logprob]]]
 
 
 class ModelRunner:
@@ -86,9 +101,10 @@ class ModelRunner:
         return gen
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
-                                                       torch.Tensor]:
-        """Flat inputs for ``batch``; also returns the batch rows whose last token is sampled and
-        the indices of those tokens in the flat batch.
+                                                       torch.Tensor, list[tuple[int, int, int]]]:
+        """Flat inputs for ``batch``; also returns the batch rows whose last token is sampled, the
+        indices of those tokens in the flat batch, and the prompt rows to score for prompt
+        log-probabilities as ``(batch row, first flat index, count)``.
 
         Everything is built on the host and copied once per tensor without blocking (host_tensor):
         preparing step N+1 never waits for the GPU to finish step N's kernels.
@@ -100,6 +116,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_tokens: list[int] = []
+        scored: list[tuple[int, int, int]] = []
         bs = self.block_size
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
@@ -108,6 +125,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             blocks = seq.block_ids
             slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(start, end))
+            if seq.params.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens:
+                # the rows at positions start..end-1 predict tokens start+1..end: the prompt's ones
+                scored.append((row, len(input_ids) - num_new, min(end, seq.num_prompt_tokens - 1) - start))
             query_lens.append(num_new)
             seq_lens.append(end)
             if end == seq.num_tokens:
@@ -119,16 +139,16 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=host_tensor(slots, torch.long, dev), query_lens=query_lens,
                                  seq_lens=seq_lens, block_tables=host_tensor(tables, torch.long, dev))
         return (host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev), meta, sample_rows,
-                host_tensor(sample_tokens, torch.long, dev))
+                host_tensor(sample_tokens, torch.long, dev), scored)
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[int | None], SampleResult | None]:
-        """Run one step. Returns per scheduled sequence the sampled token (None while its prompt is
-        unfinished), and the sampler's result for the sampled rows."""
-        ids, pos, meta, sample_rows, sample_tokens = self.prepare(batch)
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step (see :class:`StepOutput`)."""
+        ids, pos, meta, sample_rows, sample_tokens, scored = self.prepare(batch)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
+        prompt_logprobs = self._prompt_logprobs(hidden, batch, scored) if scored else {}
         if not sample_rows:
-            return sampled, None
+            return StepOutput(sampled, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[sample_tokens])
         rows = [
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq))
@@ -137,4 +157,17 @@ class ModelRunner:
         result = self.sampler(logits, rows)
         for row, token in zip(sample_rows, result.token_ids):
             sampled[row] = token
-        return sampled, result
+        return StepOutput(sampled, result, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: ScheduledBatch, scored: list[tuple[int, int, int]]
+                         ) -> dict[int, tuple[int, list[Logprob]]]:
+        """The log-probability of each prompt token the step's rows predict, from the raw logits."""
+        out = {}
+        for row, first, count in scored:
+            seq = batch.seqs[row]
+            start = seq.num_computed_tokens
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first:first + count]), dim=-1)
+            targets = seq.token_ids[start + 1:start + 1 + count]
+            n = seq.params.prompt_logprobs
+            out[row] = (start + 1, [top_logprobs(lp, t, n) for lp, t in zip(logprobs, targets)])
+        return out

@@ -46,7 +46,8 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class RequestDelta:
-    """New output of one request in one step. The last one has ``finished`` and ``metrics``."""
+    """New output of one request in one step. The last one has ``finished`` and ``metrics``, and
+    ``prompt_logprobs`` when they were asked for (None for the first prompt token)."""
 
     request_id: str
     text: str
@@ -55,6 +56,7 @@ class RequestDelta:
     finish_reason: str | None = None
     logprobs: list[Logprob] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -68,3 +70,4 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -44,6 +44,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation, in addition to the model's EOS.
         ignore_eos: keep going past EOS (benchmarks want exact lengths).
         logprobs: return this many top log-probabilities per generated token (None: off).
+        prompt_logprobs: return the log-probability of every prompt token after the first (and
+            this many top alternatives), computed in the prefill (None: off). Such a request
+            computes its whole prompt: a cached prefix has no logits to report.
     """
 
     max_tokens: int = 256
@@ -59,6 +62,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -93,8 +97,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def greedy(self) -> bool:
