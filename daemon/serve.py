@@ -109,6 +109,7 @@ def serve(opts: DaemonOptions) -> int:
                 "attention": attention.name,
                 "quantization": describe_quant(loaded.model, quant), "weight_bytes": sum(memory.values()),
                 "weight_memory": memory,
+                "kernels": loaded.model.kernels(),
                 "kv_cache_blocks": engine.num_blocks,
                 "chat_template": bool(getattr(tokenizer, "chat_template", None)),
                 "log_file": opts.log_file,

@@ -102,6 +102,15 @@ def plan(config: BenchConfig, vocab_ids: list[int]) -> tuple[list[RequestPlan], 
     return plans, None
 
 
+def kernels_line(kernels: dict[str, str]) -> str:
+    """One line from a model's kernels() report (the daemon's ``info["kernels"]``), for ``llmd
+    bench`` and ``llmd status``."""
+    parts = [f"{k.replace('_', ' ')} {v}" for k, v in kernels.items() if k != "cpu_profile"]
+    if "cpu_profile" in kernels:
+        parts.append(f"CPU profile {kernels['cpu_profile']}")
+    return "; ".join(parts) or "-"
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -134,6 +143,7 @@ class BenchReport:
     peak_kv_usage: float  # the most KV blocks any step held during the run, as a share of the pool
     preemptions: int
     errors: list[str]
+    kernels: dict[str, str] = field(default_factory=dict)  # what served the run (the model's kernels())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +164,7 @@ class BenchReport:
             ("end to end", f"p50 {s(self.e2e_p50)}, p99 {s(self.e2e_p99)}"),
             ("goodput", "-" if self.goodput is None else f"{self.goodput:.2f} req/s within the SLOs"),
             ("KV cache", f"peak {100 * self.peak_kv_usage:.1f}% in use, {self.preemptions} preemptions"),
+            ("kernels", kernels_line(self.kernels)),
         ]
         return "\n".join(f"{name:<12} {value}" for name, value in rows)
 
@@ -168,7 +179,7 @@ class BenchRun:
 
 
 def summarise(config: BenchConfig, records: list[RequestRecord], duration: float, peak_kv: float,
-              preemptions: int) -> BenchReport:
+              preemptions: int, kernels: dict[str, str] | None = None) -> BenchReport:
     ok = [r for r in records if r.error is None]
     ttfts = [r.token_times[0] - r.sent for r in ok if r.token_times]
     itls = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
@@ -194,7 +205,7 @@ def summarise(config: BenchConfig, records: list[RequestRecord], duration: float
         ttft_p50=_pct(ttfts, 0.5), ttft_p90=_pct(ttfts, 0.9), ttft_p99=_pct(ttfts, 0.99),
         itl_p50=_pct(itls, 0.5), itl_p99=_pct(itls, 0.99), e2e_p50=_pct(e2es, 0.5), e2e_p99=_pct(e2es, 0.99),
         goodput=goodput, peak_kv_usage=peak_kv, preemptions=preemptions,
-        errors=sorted({r.error for r in records if r.error is not None}),
+        errors=sorted({r.error for r in records if r.error is not None}), kernels=kernels or {},
     )
 
 
@@ -233,6 +244,7 @@ async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progre
         # ids the model's own tokenizer makes, so any vocabulary size works
         vocab_ids = sorted(set(sync.tokenize(" ".join(f"w{i} alpha beta {i * 7}" for i in range(400)))))
         preemptions_before = sync.stats()["num_preemptions"]
+        kernels = sync.info().get("kernels", {})
     requests, warm = plan(config, vocab_ids)
     total = sum(r.output_tokens for r in requests)
     progress = None
@@ -261,7 +273,7 @@ async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progre
         progress.close()
     with Client(connection=connection) as sync:
         preemptions = sync.stats()["num_preemptions"] - preemptions_before
-    return BenchRun(summarise(config, records, duration, peak[0], preemptions), records, t0)
+    return BenchRun(summarise(config, records, duration, peak[0], preemptions, kernels), records, t0)
 
 
 def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = False) -> BenchRun:
@@ -314,8 +326,9 @@ def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = Fa
         progress.close()
     peak = engine.take_peak_blocks_used() / engine.num_blocks
     done = list(records.values())
-    return BenchRun(summarise(config, done, duration, peak, engine.stats().num_preemptions - preemptions_before),
-                    done, t0)
+    return BenchRun(summarise(config, done, duration, peak, engine.stats().num_preemptions - preemptions_before,
+                              engine.model.kernels()), done, t0)
 
 
-__all__ = ["BenchConfig", "BenchReport", "BenchRun", "WORKLOADS", "plan", "run_bench", "run_bench_in_process", "summarise"]
+__all__ = ["BenchConfig", "BenchReport", "BenchRun", "WORKLOADS", "kernels_line", "plan", "run_bench",
+           "run_bench_in_process", "summarise"]

@@ -14,10 +14,11 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmd import __version__, service
 from llmd.errors import LlmdError
+from llmd.kernels import cpu_profile
 from llmd.quant import QUANT_SCHEMES
 
 if TYPE_CHECKING:
@@ -186,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=None,
                        help="repeat a run's prompts and arrivals (default: new ones each run, so an earlier run's "
                             "prompts do not hit the prefix cache)")
+    bench.add_argument("--perplexity", default=None, metavar="FILE",
+                       help="instead of a load: the model's perplexity on a UTF-8 text file (prompt log-probabilities)")
+    bench.add_argument("--window", type=_positive_int, default=None,
+                       help="--perplexity: tokens scored per request (default: 1024)")
     bench.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="goodput: time to first token")
     bench.add_argument("--slo-itl", type=float, default=None, metavar="S", help="goodput: largest inter-token gap")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -365,19 +370,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from llmd.bench_plot import check_plot_path
 
         plot_path = check_plot_path(args.plot)
-    if args.in_process:
-        from llmd.daemon.engine.llm import LLM
+    text = None
+    if args.perplexity is not None:
+        from llmd.perplexity import read_text
 
         try:
-            # The daemon's engine defaults (max_num_seqs 64, 512 batched tokens), so the two compare.
-            settings = _settings(args)
-            llm = LLM(settings["model"], dtype=settings["dtype"], quant=settings["quant"],
-                      attention=settings["attention"])
+            text = read_text(args.perplexity)  # before a model loads
         except ValueError as e:
             raise LlmdError(str(e)) from None
+    llm = _bench_llm(args) if args.in_process else None
+    connection = None if args.in_process else load_connection(args.socket_dir)
+    if text is not None:
+        return _bench_perplexity(args, text, llm, connection)
+    if llm is not None:
         run = run_bench_in_process(llm, config, show_progress=sys.stderr.isatty())
     else:
-        connection = load_connection(args.socket_dir)
         run = asyncio.run(run_bench(connection, config, show_progress=sys.stderr.isatty()))
     report = run.report
     print(json.dumps(report.to_dict()) if args.json else report.table())
@@ -388,6 +395,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"{'plot':<12} {plot_path}")
     return 1 if report.num_failed else 0
+
+
+def _bench_llm(args: argparse.Namespace) -> Any:
+    """``llmd bench --in-process``: the engine in this process, with the daemon's engine defaults
+    (max_num_seqs 64, 512 batched tokens) so the two compare."""
+    from llmd.daemon.engine.llm import LLM
+
+    try:
+        settings = _settings(args)
+        return LLM(settings["model"], dtype=settings["dtype"], quant=settings["quant"], attention=settings["attention"])
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
+
+
+def _bench_perplexity(args: argparse.Namespace, text: str, llm: Any, connection: dict | None) -> int:
+    import json
+
+    from llmd import perplexity
+
+    window = args.window or perplexity.DEFAULT_WINDOW
+    try:
+        if llm is not None:
+            report = perplexity.measure_in_process(llm, text, args.perplexity, window)
+        else:
+            report = perplexity.measure(connection, text, args.perplexity, window)
+    except ValueError as e:
+        raise LlmdError(str(e)) from None
+    print(json.dumps(report.to_dict()) if args.json else report.table())
+    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -588,6 +624,7 @@ def _model_state_line(info: dict, stats: dict) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
+    from llmd.bench import kernels_line
     from llmd.client import Client, DaemonNotRunningError, load_connection
 
     try:
@@ -611,6 +648,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{info.get('attention', '?')} attention",
         f"state       {_model_state_line(info, stats)}",
         f"quantised   {info['quantization']}",
+        f"kernels     {kernels_line(info.get('kernels', {}))}",
         f"weights     {info.get('weight_bytes', 0) / 2**20:.0f} MiB held: {_weight_memory_line(info)}",
         f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "
         f"({info['block_size']} tokens each)",
@@ -652,6 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     _configure_logging(args.verbose)
     try:
+        cpu_profile.profile()  # a bad LLMD_CPU fails here, in one line, not deep inside a load
         return args.func(args)
     except LlmdError as e:
         # One line, whatever the message grew (a library's reason may span several).
