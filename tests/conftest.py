@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,6 +14,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # @triton.jit decorates, i.e. when a kernel module is imported, so it is set before any test module
 # (or the code under test) imports one; compile-for-a-GPU tests unset it in their subprocess.
 os.environ["TRITON_INTERPRET"] = "1"
+# A daemon the developer has running must be invisible to the tests: every client and `llmd` command
+# without --socket-dir looks here instead of $XDG_RUNTIME_DIR/llmd (test daemons get their own dirs).
+os.environ["LLMD_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="llmd-tests-run-")
 
 import pytest  # noqa: E402
 

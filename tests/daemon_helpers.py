@@ -20,7 +20,7 @@ def daemon_env(tmp: Path, **extra: str) -> dict[str, str]:
     # isolation of conftest.py applies, and a user's config.toml must not reach test daemons.
     env = dict(os.environ, XDG_STATE_HOME=str(tmp / "state"), XDG_CONFIG_HOME=str(tmp / "config"),
                PYTHONUNBUFFERED="1", **extra)
-    env.pop("LLMD_RUNTIME_DIR", None)
+    env["LLMD_RUNTIME_DIR"] = str(tmp / "default-run")  # not the developer's daemon (see conftest.py)
     env.pop("LLMD_CONFIG", None)
     for option in OPTIONS.values():
         env.pop(option.env, None)

@@ -17,7 +17,7 @@ from tiny_models import make_hf_model, save_hf_model
 
 pytestmark = pytest.mark.slow
 
-IDLE_MINUTES = 0.02  # 1.2 s
+IDLE_MINUTES = 0.05  # 3 s: long enough that a loaded machine does not unload before the first request
 PROMPT = [5, 17, 33, 2, 91, 40, 8]
 
 
@@ -57,18 +57,22 @@ def test_idle_unload_frees_memory_and_the_next_request_reloads(setup) -> None:
         assert info["num_blocks"] * info["block_size"] * (2 * 2 * 2 * 16 * 4) == 128 * 2**20
         before, _ = _greedy(client)
         rss_loaded = daemon.memory_info().rss
-        assert client.stats()["model_state"] == "loaded"
+        stats = client.stats()
+        # NOTE: counted from here: on a loaded machine the window may already have passed once
+        # between the start and the first request (that request then reloaded the model).
+        assert stats["model_state"] == "loaded"
+        unloads = stats["num_unloads"]
         assert wait_for(lambda: client.stats()["model_state"] == "unloaded", timeout=30, interval=0.2)
         rss_unloaded = daemon.memory_info().rss
         assert rss_loaded - rss_unloaded > 100 * 2**20, (rss_loaded, rss_unloaded)
 
         status = _llmd(env, "status", "--socket-dir", str(socket_dir))
-        assert "state       unloaded after 0.02 min without requests" in status.stdout, status.stdout
+        assert f"state       unloaded after {IDLE_MINUTES:g} min without requests" in status.stdout, status.stdout
 
         after, timings = _greedy(client)
         assert after == before  # the reload is the same model
         stats = client.stats()
-        assert stats["model_state"] == "loaded" and stats["num_unloads"] == 1
+        assert stats["model_state"] == "loaded" and stats["num_unloads"] == unloads + 1
         assert timings["queue_s"] > 0.05  # it waited for the reload, and says so
     assert daemon.memory_info().rss - rss_unloaded > 100 * 2**20
 

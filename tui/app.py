@@ -16,6 +16,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
@@ -84,8 +85,11 @@ class ChatApp(App[None]):
     def _set_daemon_gone(self, gone: bool) -> None:
         if gone == self.daemon_gone:
             return
+        try:
+            banner = self.query_one("#banner", Static)
+        except NoMatches:  # the app is tearing down: the silence timer outlived the widgets
+            return
         self.daemon_gone = gone
-        banner = self.query_one("#banner", Static)
         # NOTE: a busy daemon (one long step) comes back on its own; a restarted one has a new
         # signing key, which this window does not pick up (yet): say so rather than promise a reconnect.
         banner.update(f"No word from the llmd daemon for {self.stats_silence_s:g}s: busy with a long step, stopped "
@@ -117,7 +121,10 @@ class ChatApp(App[None]):
             self._last_stats_at = time.monotonic()
             self._set_daemon_gone(False)
             self.last_stats = stats
-            self.query_one(Dashboard).update_stats(stats, self.own_ids)
+            try:
+                self.query_one(Dashboard).update_stats(stats, self.own_ids)
+            except NoMatches:  # tearing down
+                return
             if not self._have_info and not any(w.group == "info" and w.is_running for w in self.workers):
                 self.fetch_info()
 
