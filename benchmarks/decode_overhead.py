@@ -6,7 +6,7 @@ step, with the native decode step (one call for all layers) and layer by layer, 
 
 The engine (llmd.LLM, default settings) runs `--batch` requests that are all decoding; over
 `--steps` steps it counts the torch operations the profiler sees (the native kernels are ctypes
-calls, not torch operations) and times each engine.step(). "native" is the time inside the native
+calls, not torch operations) and times each engine.step() (medians over the steps). "native" is the time inside the native
 decode step and the quantised matmuls (the LM head, and layer by layer the projections); "Python"
 is the rest of the step: scheduling, input tensors, sampling, detokenising, and the torch and
 ctypes calls between the kernels (layer by layer that includes attention and RoPE, which run
@@ -66,17 +66,20 @@ def measure(llm, batch: int, steps: int) -> dict[str, float]:
             engine.step()
     ops = sum(e.count for e in prof.key_averages())
     box = [0.0]
-    walls = []
+    walls, natives = [], []
     with native_timer(box):
         for _ in range(steps):
+            box[0] = 0.0
             start = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - start)
+            natives.append(box[0])
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    wall = statistics.mean(walls)
-    native = box[0] / steps
-    return {"ops": ops / steps, "step_ms": 1e3 * wall, "native_ms": 1e3 * native, "python_ms": 1e3 * (wall - native)}
+    # medians over the steps: these machines are noisy, and Python time is a small difference
+    return {"ops": ops / steps, "step_ms": 1e3 * statistics.median(walls),
+            "native_ms": 1e3 * statistics.median(natives),
+            "python_ms": 1e3 * statistics.median(w - n for w, n in zip(walls, natives))}
 
 
 def main() -> None:

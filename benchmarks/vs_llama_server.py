@@ -8,8 +8,9 @@ count, continuous batching; the llmd daemon with its defaults and `--model GGUF`
 idle one sleeps. For each stream count, rounds alternate llama-server / llmd on the same fresh random
 prompts (token ids, so lengths are exact and no prefix cache helps), greedy, `--output-tokens` new
 tokens ignoring end-of-text, each stream its own connection. Reported per server: aggregate output
-tok/s (tokens over the wall time from the first request to the last token), TTFT p50/p99, and the
-ratios llmd/llama-server (tok/s: higher is better; TTFT: lower is better). The best round of each is
+tok/s (tokens over the wall time from the first request to the last token, prefill included),
+decode tok/s per stream (after its first token; the median stream), TTFT p50/p99, and the ratios
+llmd/llama-server (tok/s: higher is better; TTFT: lower is better). The best round of each is
 shown, these machines being shared and noisy; the CPU's flags and llmd's CPU profile head the table.
 A ratio from one run is the figure to quote: absolute tok/s differ 2x between days here.
 """
@@ -58,6 +59,7 @@ def llama_stream(port: int, prompt: list[int], n: int, out: dict) -> None:
         event = json.loads(line[6:])
         if out.get("ttft") is None and event.get("content") is not None and not event.get("stop"):
             out["ttft"] = time.perf_counter() - start
+            out["first"] = time.perf_counter()
         if event.get("stop"):
             tokens = event.get("tokens_predicted", 0)
             break
@@ -74,6 +76,7 @@ def llmd_stream(socket_dir: Path, prompt: list[int], n: int, out: dict) -> None:
         for delta in client.generate(token_ids=prompt, max_tokens=n, temperature=0, ignore_eos=True):
             if out.get("ttft") is None and delta.token_ids:
                 out["ttft"] = time.perf_counter() - start
+                out["first"] = time.perf_counter()
             tokens += len(delta.token_ids)
     out["end"], out["tokens"] = time.perf_counter(), tokens
 
@@ -90,8 +93,9 @@ def run_round(target, prompts: list[list[int]], n: int) -> dict[str, float]:
         raise RuntimeError("a stream failed (see above)")
     wall = max(o["end"] for o in outs) - start
     ttfts = [o["ttft"] for o in outs]
+    decode = [(o["tokens"] - 1) / (o["end"] - o["first"]) for o in outs if o["tokens"] > 1]
     return {"tok_s": sum(o["tokens"] for o in outs) / wall, "p50": statistics.median(ttfts), "p99": pct(ttfts, 0.99),
-            "tokens": sum(o["tokens"] for o in outs)}
+            "tokens": sum(o["tokens"] for o in outs), "decode": statistics.median(decode)}
 
 
 def wait_http(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -179,12 +183,16 @@ def main() -> None:
         llama.wait(timeout=30)
         tmp.cleanup()
     print(cpu_line())
-    print(f"model {gguf.name}; llmd {info.get('dtype')} {info.get('quant')}; llama-server {args.llama_server}; "
-          f"{args.prompt_tokens} prompt + {args.output_tokens} new tokens per stream, greedy; best of {args.rounds}")
-    print(f"{'streams':>7} | {'llama tok/s':>11} {'llmd tok/s':>10} {'ratio':>6} | "
-          f"{'TTFT p50 llama/llmd':>21} {'ratio':>6} | {'TTFT p99 llama/llmd':>21}")
+    from llmd.bench import kernels_line
+
+    print(f"model {gguf.name}; llmd {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; "
+          f"llama-server {args.llama_server}; {args.prompt_tokens} prompt + {args.output_tokens} new tokens per "
+          f"stream, greedy; best of {args.rounds} rounds")
+    print(f"{'streams':>7} | {'llama tok/s':>11} {'llmd tok/s':>10} {'ratio':>6} | {'decode/stream llama/llmd':>24} "
+          f"{'ratio':>6} | {'TTFT p50 llama/llmd':>21} {'ratio':>6} | {'TTFT p99 llama/llmd':>21}")
     for n, lr, dr in rows:
         print(f"{n:>7} | {lr['tok_s']:>11.1f} {dr['tok_s']:>10.1f} {dr['tok_s'] / lr['tok_s']:>5.2f}x | "
+              f"{lr['decode']:>12.1f}/{dr['decode']:>11.1f} {dr['decode'] / lr['decode']:>5.2f}x | "
               f"{lr['p50']:>9.3f}s/{dr['p50']:>8.3f}s {dr['p50'] / lr['p50']:>5.2f}x | "
               f"{lr['p99']:>9.3f}s/{dr['p99']:>8.3f}s")
 

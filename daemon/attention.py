@@ -32,12 +32,13 @@ class AttentionMetadata:
     """One step's flat ragged batch, as attention needs it.
 
     Attributes:
-        slot_mapping: ``[T]`` cache slot of every new token.
+        slot_mapping: ``[T]`` cache slot of every new token (negative: a padding row, not written).
         query_lens: new tokens per sequence (host list; sums to T).
         seq_lens: total length per sequence after this step (host list).
         block_tables: ``[num_seqs, max_blocks]`` physical block ids.
 
-    Derived once per step (not once per layer): ``max_query_len`` and ``max_seq_len`` on the host,
+    Derived once per step (not once per layer), unless given (persistent buffers,
+    daemon/engine/decode_inputs.py): ``max_query_len`` and ``max_seq_len`` on the host,
     ``query_start_loc`` ``[num_seqs + 1]`` and ``seq_lens_tensor`` ``[num_seqs]`` (int32) on the device.
     """
 
@@ -45,17 +46,19 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: torch.Tensor
+    query_start_loc: torch.Tensor | None = None
+    seq_lens_tensor: torch.Tensor | None = None
     max_query_len: int = field(init=False)
     max_seq_len: int = field(init=False)
-    query_start_loc: torch.Tensor = field(init=False)
-    seq_lens_tensor: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.max_query_len = max(self.query_lens)
         self.max_seq_len = max(self.seq_lens)
         device = self.slot_mapping.device
-        self.query_start_loc = host_tensor([0, *itertools.accumulate(self.query_lens)], torch.int32, device)
-        self.seq_lens_tensor = host_tensor(self.seq_lens, torch.int32, device)
+        if self.query_start_loc is None:
+            self.query_start_loc = host_tensor([0, *itertools.accumulate(self.query_lens)], torch.int32, device)
+        if self.seq_lens_tensor is None:
+            self.seq_lens_tensor = host_tensor(self.seq_lens, torch.int32, device)
 
     @property
     def num_tokens(self) -> int:

@@ -113,6 +113,7 @@ class DecodeStep:
         self._keep = keep
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._need: dict[int, int] = {}  # workspace bytes by row count
         self.hidden = hidden
 
     def bind_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -132,6 +133,12 @@ class DecodeStep:
         self._model.cache_bf16 = int(k0.dtype == torch.bfloat16)
         self._caches = kv_caches
 
+    def _workspace_bytes(self, rows: int) -> int:
+        need = self._need.get(rows)
+        if need is None:
+            need = self._need[rows] = self._lib.llmd_decode_workspace_bytes(ctypes.addressof(self._model), rows)
+        return need
+
     def bound_to(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         return kv_caches is self._caches
 
@@ -143,8 +150,7 @@ class DecodeStep:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         m = x.shape[0]
-        need = self._lib.llmd_decode_workspace_bytes(ctypes.addressof(self._model), m)
-        if self._workspace.numel() < need:
+        if self._workspace.numel() < (need := self._workspace_bytes(m)):
             self._workspace = torch.empty(need, dtype=torch.uint8)
         out = torch.empty(m, self.hidden)
         status = self._lib.llmd_decode_step(ctypes.addressof(self._model), x.data_ptr(), m, positions.data_ptr(),

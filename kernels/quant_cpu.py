@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -150,6 +150,9 @@ class PackedWeight:
     w: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    # the quantised activations' buffers by row count, reused: a decode step's head call allocates
+    # only its output (the engine calls from one thread)
+    _scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_int4(cls, qw: Int4Weight) -> PackedWeight:
@@ -169,9 +172,11 @@ class PackedWeight:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         m, k = x.shape
-        xq = torch.empty(m, k, dtype=torch.int8)
-        xd = torch.empty(m, k // QK)
-        xm = torch.empty(m, k // QK)
+        scratch = self._scratch.get(m)
+        if scratch is None:
+            scratch = self._scratch[m] = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QK),
+                                          torch.empty(m, k // QK))
+        xq, xd, xm = scratch
         out = torch.empty(m, self.n)
         mins = 0 if self.mins is None else self.mins.data_ptr()
         (lib or library()).llmd_qgemm(self.kind, x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xm.data_ptr(),

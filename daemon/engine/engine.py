@@ -97,7 +97,7 @@ class LLMEngine:
         backend = model.attn_backend
         if reason := backend.unsupported(config.block_size, model.config.head_dim, model.dtype):
             raise ValueError(f"{reason}; use --attention torch")
-        self.runner: ModelRunner | None = ModelRunner(model, config.block_size)
+        self.runner: ModelRunner | None = ModelRunner(model, config.block_size, config.max_num_seqs, self.max_model_len)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -136,7 +136,7 @@ class LLMEngine:
         if model.config.vocab_size != self.vocab_size or model.config.num_layers != self._num_layers:
             raise ValueError("the reloaded model differs from the one the engine was built for")
         self.model = model
-        self.runner = ModelRunner(model, self.config.block_size)
+        self.runner = ModelRunner(model, self.config.block_size, self.config.max_num_seqs, self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
 
     def _blocks_for_budget(self) -> int:

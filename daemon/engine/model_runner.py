@@ -15,6 +15,7 @@ import torch
 
 from llmd.daemon.attention import AttentionMetadata
 from llmd.daemon.device import host_tensor
+from llmd.daemon.engine.decode_inputs import DecodeInputs
 from llmd.daemon.engine.outputs import Logprob
 from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler, top_logprobs
 from llmd.daemon.engine.sampling_params import SamplingParams
@@ -47,15 +48,20 @@ class ModelRunner:
         model: the loaded model.
         block_size: tokens per KV block; the pool itself comes with :meth:`allocate_kv_cache`
             (on a GPU its size is known only after :meth:`profile_run`).
+        max_num_seqs, max_model_len: the most sequences a step holds and the longest one (they
+            size the decode steps' persistent input buffers).
     """
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, block_size: int, max_num_seqs: int = 64,
+                 max_model_len: int | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = model.model.embed_tokens.weight.device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        max_len = max_model_len or model.config.max_position_embeddings
+        self.decode_inputs = DecodeInputs(max_num_seqs, -(-max_len // block_size), block_size, self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._new_kv_cache(num_blocks)
@@ -101,43 +107,49 @@ class ModelRunner:
         return gen
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
-                                                       torch.Tensor, list[tuple[int, int, int]]]:
-        """Flat inputs for ``batch``; also returns the batch rows whose last token is sampled, the
+                                                       torch.Tensor | slice, list[tuple[int, int, int]]]:
+        """Inputs for ``batch``; also returns the batch rows whose last token is sampled, the
         indices of those tokens in the flat batch, and the prompt rows to score for prompt
         log-probabilities as ``(batch row, first flat index, count)``.
 
-        Everything is built on the host and copied once per tensor without blocking (host_tensor):
-        preparing step N+1 never waits for the GPU to finish step N's kernels.
+        A pure decode step (one new token per sequence) fills the persistent buffers of
+        :class:`DecodeInputs`; other steps build flat tensors on the host, copied once per tensor
+        without blocking (host_tensor): preparing step N+1 never waits for the GPU's step N.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_tokens: list[int] = []
         scored: list[tuple[int, int, int]] = []
-        bs = self.block_size
+        first = 0  # the row's first token in the flat batch
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = seq.block_ids
-            slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(start, end))
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if seq.params.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens:
                 # the rows at positions start..end-1 predict tokens start+1..end: the prompt's ones
-                scored.append((row, len(input_ids) - num_new, min(end, seq.num_prompt_tokens - 1) - start))
-            query_lens.append(num_new)
-            seq_lens.append(end)
+                scored.append((row, first, min(end, seq.num_prompt_tokens - 1) - start))
+            first += num_new
             if end == seq.num_tokens:
                 sample_rows.append(row)
-                sample_tokens.append(len(input_ids) - 1)
+                sample_tokens.append(first - 1)
+        if first == len(batch.seqs):  # one token each: a decode step
+            ids, positions, meta = self.decode_inputs.fill(batch.seqs)
+            picked = slice(0, len(sample_rows)) if len(sample_rows) == len(batch.seqs) else \
+                host_tensor(sample_tokens, torch.long, self.device)
+            return ids, positions, meta, sample_rows, picked, scored
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + num_new])
+            positions.extend(range(start, start + num_new))
+            blocks = seq.block_ids
+            slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(start, start + num_new))
         max_blocks = max(len(seq.block_ids) for seq in batch.seqs)
         tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in batch.seqs]
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=host_tensor(slots, torch.long, dev), query_lens=query_lens,
-                                 seq_lens=seq_lens, block_tables=host_tensor(tables, torch.long, dev))
+        meta = AttentionMetadata(slot_mapping=host_tensor(slots, torch.long, dev), query_lens=list(batch.num_new_tokens),
+                                 seq_lens=[s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)],
+                                 block_tables=host_tensor(tables, torch.long, dev))
         return (host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev), meta, sample_rows,
                 host_tensor(sample_tokens, torch.long, dev), scored)
 

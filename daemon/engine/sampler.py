@@ -38,9 +38,9 @@ class Sampler:
         """Pick one token per row of ``logits`` ``[B, V]`` (fp32)."""
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = self._apply_penalties(logits, rows)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = argmax_rows(logits)
         if all(r.params.greedy for r in rows):
-            return self._result(greedy_tokens.tolist(), raw_logprobs, rows)
+            return self._result(greedy_tokens, raw_logprobs, rows)
         device = logits.device
         temperature = host_tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], torch.float32,
                                   device)
@@ -53,9 +53,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, r in enumerate(rows):
             noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = host_tensor([r.params.greedy for r in rows], torch.bool, device)
-        return self._result(torch.where(is_greedy, greedy_tokens, sampled).tolist(), raw_logprobs, rows)
+        sampled = argmax_rows(probs / noise)
+        return self._result([g if r.params.greedy else t for g, t, r in zip(greedy_tokens, sampled, rows)],
+                            raw_logprobs, rows)
 
     @staticmethod
     def _raw_logprobs(logits: torch.Tensor, rows: list[SampleRequest]) -> list[torch.Tensor | None]:
@@ -108,6 +108,15 @@ class Sampler:
         drop |= before >= host_tensor(top_p, torch.float32, device)[:, None]
         mask = torch.zeros_like(drop).scatter(1, order, drop)
         return logits.masked_fill(mask, float("-inf"))
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """The index of each row's largest value (the first of ties), as a host list. NOTE: on the CPU
+    through numpy: torch 2.13's CPU argmax takes ~70 us for one row of 49,152 logits and ~1 ms for
+    16 rows, numpy's ~6 and ~90."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return x.contiguous().numpy().argmax(axis=-1).tolist()
+    return x.argmax(dim=-1).tolist()
 
 
 def top_logprobs(row_logprobs: torch.Tensor, token_id: int, n: int) -> tuple[float, list[tuple[int, float]]]:

@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Run a flat batch of ``T`` tokens; returns final hidden states ``[T, hidden_size]`` (in the
         model dtype; fp32 where the native decode step, once prepared, runs the one-token rows)."""
-        x = self.model.embed_tokens(input_ids)
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
         if self.decode_step is not None and 1 in meta.query_lens:
             if not self.decode_step.bound_to(kv_caches):
                 self.decode_step.bind_cache(kv_caches)

@@ -237,8 +237,10 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
                 }
                 rope_row(qr, NH, D, b.cos + m * half, b.sin + m * half);
                 rope_row(kr, KVH, D, b.cos + m * half, b.sin + m * half);
-                store_row((char *)ly->k_cache + slots[m] * token_bytes, kr, kv_size, bf16);
-                store_row((char *)ly->v_cache + slots[m] * token_bytes, vr, kv_size, bf16);
+                if (slots[m] >= 0) { /* a negative slot: a padding row, which writes nothing */
+                    store_row((char *)ly->k_cache + slots[m] * token_bytes, kr, kv_size, bf16);
+                    store_row((char *)ly->v_cache + slots[m] * token_bytes, vr, kv_size, bf16);
+                }
             }
             llmd_decode_attention_body(b.qkv, qkv_size, ly->k_cache, ly->v_cache, bf16, block_tables, max_blocks,
                                        seq_lens, M, NH, KVH, D, md->block_size, ly->window, md->scale, splits,
