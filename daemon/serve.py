@@ -27,6 +27,7 @@ class DaemonOptions:
     max_num_seqs: int = 64
     max_batched_tokens: int = 512
     prefix_cache: bool = True
+    cuda_graphs: bool = False
     socket_dir: str | None = None
     tcp: str | None = None
     max_queue_len: int = 256
@@ -74,7 +75,7 @@ def serve(opts: DaemonOptions) -> int:
         engine_config = EngineConfig(block_size=opts.block_size, kv_cache_mb=opts.kv_cache_mb,
                                      max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_batched_tokens,
                                      enable_prefix_caching=opts.prefix_cache,
-                                     gpu_memory_fraction=opts.gpu_memory_fraction)
+                                     gpu_memory_fraction=opts.gpu_memory_fraction, cuda_graphs=opts.cuda_graphs)
         attention = make_attention_backend(opts.attention, device)
         if reason := attention.unsupported(opts.block_size):  # before the slow load; head_dim is checked after
             raise ValueError(f"{reason}; use --attention torch")

@@ -70,8 +70,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = dict(default=None, help=option.help + shown)
         if option.metavar:
             kwargs["metavar"] = option.metavar
-        if option.name == "prefix_cache":
-            parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, **kwargs)
+        if option.default is True or option.default is False:  # --prefix-cache / --no-prefix-cache
+            parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
         if option.choices:
             kwargs["choices"] = option.choices

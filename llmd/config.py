@@ -149,6 +149,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("max_batched_tokens", 512, lambda v: _whole(v, 1),
            "tokens per engine step, prompt chunks and decodes together", "N"),
     Option("prefix_cache", True, _bool, "reuse the KV blocks of shared prompt prefixes"),
+    Option("cuda_graphs", False, _bool, "replay decode steps as CUDA graphs, one per batch size (CUDA with Triton "
+                                        "attention; never run on a GPU yet, see README GPU status)"),
     Option("max_queue_len", 256, lambda v: _whole(v, 1),
            "waiting requests beyond which new ones are refused as overloaded", "N"),
     Option("idle_unload", 0.0, lambda v: _number(v, 0.0, 60.0 * 24 * 365),

@@ -38,6 +38,8 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output); default and cap: the model's context.
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket (never run on a
+            GPU yet: README "GPU status"; ignored elsewhere).
     """
 
     block_size: int = 16
@@ -48,6 +50,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_fraction: float = 0.8
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,6 +66,9 @@ class EngineConfig:
         fraction = self.gpu_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {fraction!r}")
+        for name in ("enable_prefix_caching", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass(slots=True)
@@ -97,7 +103,8 @@ class LLMEngine:
         backend = model.attn_backend
         if reason := backend.unsupported(config.block_size, model.config.head_dim, model.dtype):
             raise ValueError(f"{reason}; use --attention torch")
-        self.runner: ModelRunner | None = ModelRunner(model, config.block_size, config.max_num_seqs, self.max_model_len)
+        self.runner: ModelRunner | None = ModelRunner(model, config.block_size, config.max_num_seqs, self.max_model_len,
+                                                        config.cuda_graphs)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -136,7 +143,8 @@ class LLMEngine:
         if model.config.vocab_size != self.vocab_size or model.config.num_layers != self._num_layers:
             raise ValueError("the reloaded model differs from the one the engine was built for")
         self.model = model
-        self.runner = ModelRunner(model, self.config.block_size, self.config.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(model, self.config.block_size, self.config.max_num_seqs, self.max_model_len,
+                                  self.config.cuda_graphs)
         self.runner.allocate_kv_cache(self.num_blocks)
 
     def _blocks_for_budget(self) -> int:

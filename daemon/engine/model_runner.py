@@ -9,12 +9,14 @@ for their prompt's log-probabilities.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from llmd.daemon.attention import AttentionMetadata
 from llmd.daemon.device import host_tensor
+from llmd.daemon.engine.cuda_graphs import DecodeGraphs
 from llmd.daemon.engine.decode_inputs import DecodeInputs
 from llmd.daemon.engine.outputs import Logprob
 from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler, top_logprobs
@@ -22,6 +24,16 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch
 from llmd.daemon.engine.sequence import Sequence
 from llmd.daemon.models import LlamaForCausalLM
+
+log = logging.getLogger("llmd")
+
+
+def _graphs_unsupported(model: LlamaForCausalLM, device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if model.attn_backend.name != "triton":
+        return "CUDA graphs need the Triton attention backend (--attention auto or triton)"
+    return None
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -50,21 +62,30 @@ class ModelRunner:
             (on a GPU its size is known only after :meth:`profile_run`).
         max_num_seqs, max_model_len: the most sequences a step holds and the longest one (they
             size the decode steps' persistent input buffers).
+        cuda_graphs: replay decode steps as CUDA graphs (daemon/engine/cuda_graphs.py; CUDA with the
+            Triton attention backend only, else ignored with a warning).
     """
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, max_num_seqs: int = 64,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, cuda_graphs: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.device = model.model.embed_tokens.weight.device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        max_len = max_model_len or model.config.max_position_embeddings
-        self.decode_inputs = DecodeInputs(max_num_seqs, -(-max_len // block_size), block_size, self.device)
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        if cuda_graphs and (reason := _graphs_unsupported(model, self.device)):
+            log.warning("--cuda-graphs ignored: %s", reason)
+            cuda_graphs = False
+        self.cuda_graphs = cuda_graphs
+        self.decode_inputs = DecodeInputs(max_num_seqs, -(-self.max_model_len // block_size), block_size, self.device,
+                                          buckets=cuda_graphs)
+        self._graphs: DecodeGraphs | None = None  # captured lazily, over the KV cache of the moment
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._new_kv_cache(num_blocks)
+        self._graphs = None
 
     def _new_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
@@ -156,7 +177,12 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step (see :class:`StepOutput`)."""
         ids, pos, meta, sample_rows, sample_tokens, scored = self.prepare(batch)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if self.cuda_graphs and meta.max_query_len == 1:
+            if self._graphs is None:
+                self._graphs = DecodeGraphs(self.model, self.decode_inputs, self.kv_caches, self.max_model_len)
+            hidden = self._graphs.run(ids.shape[0])
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         prompt_logprobs = self._prompt_logprobs(hidden, batch, scored) if scored else {}
         if not sample_rows:
