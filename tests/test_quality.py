@@ -137,3 +137,34 @@ def paris_margin(llm) -> float:
     (first, lp1), (_, lp2) = out.logprobs[0][1]
     assert llm.tokenizer.decode([first]) == " Paris"
     return lp1 - lp2
+
+
+def test_through_the_daemon(tmp_path: Path, text: str, reference: float) -> None:
+    """The served default setup as a client sees it: the canary's margin from the daemon's
+    logprobs, and `llmd bench --perplexity` (prompt_logprobs over the wire) within the gate."""
+    from daemon_helpers import daemon_env, stop_daemon
+
+    from llmd.client import Client
+
+    socket_dir = tmp_path / "run"
+    env = daemon_env(tmp_path)
+    started = subprocess.run([sys.executable, "-m", "llmd", "start", "--socket-dir", str(socket_dir)],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert started.returncode == 0, started.stderr
+    try:
+        with Client(socket_dir) as client:
+            messages = [{"role": "user", "content": QUESTION}]
+            prompt = client.tokenize(messages=messages) + client.tokenize(ANSWER_START)
+            (delta,) = list(client.generate(token_ids=prompt, temperature=0, max_tokens=1, logprobs=2))
+            _, ((first, lp1), (_, lp2)) = delta.logprobs[0]
+            assert delta.text == " Paris" and delta.token_ids == [first]
+            assert lp1 - lp2 > 4, lp1 - lp2
+        short = tmp_path / "text.txt"
+        short.write_text(text)
+        bench = subprocess.run([sys.executable, "-m", "llmd", "bench", "--perplexity", str(short), "--json",
+                                "--socket-dir", str(socket_dir)], capture_output=True, text=True, env=env, timeout=300)
+        assert bench.returncode == 0, bench.stderr
+        served = json.loads(bench.stdout)["perplexity"]
+        assert abs(served / reference - 1) < MARGIN, (served, reference)
+    finally:
+        stop_daemon(socket_dir, env)

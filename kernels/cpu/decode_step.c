@@ -184,9 +184,14 @@ static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++) d[i] = llmd_f32_to_bf16(src[i]);
 }
 
-/* out = x W^T (+ b), x [M, l->k]: quantise, multiply (each a worksharing loop). */
-static void linear(const llmd_linear *l, const float *x, int64_t M, const buffers *b, float *out) {
-    llmd_q8_quantize_body(x, M, l->k, b->xq, b->xd, b->xm);
+/* Quantise row m of x [M, k] into the matmul inputs (the rows' phases do it, saving a barrier). */
+static inline void quantize_row(const float *x, int64_t m, int64_t k, const buffers *b) {
+    const int64_t nb = k / LLMD_QK;
+    llmd_q8_quantize_row(x + m * k, k, b->xq + m * k, b->xd + m * nb, b->xm + m * nb);
+}
+
+/* out = xq W^T (+ b) for activations quantise_row() left in the buffers (a worksharing loop). */
+static void linear(const llmd_linear *l, int64_t M, const buffers *b, float *out) {
     llmd_qgemm_body(l->kind, b->xq, b->xd, l->kind == LLMD_Q4X8 ? b->xm : NULL, M, l->k, l->w, l->scales, l->mins,
                     l->n, l->group, out, l->n);
     if (l->bias) {
@@ -217,17 +222,18 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
 #pragma omp parallel num_threads(md->nthreads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
+        for (int64_t m = 0; m < M; m++) {
             for (int64_t i = 0; i < half; i++) {
                 const float f = (float)positions[m] * md->inv_freq[i];
                 b.cos[m * half + i] = cosf(f);
                 b.sin[m * half + i] = sinf(f);
             }
+            rmsnorm_row(x + m * H, md->layers[0].input_norm, H, md->eps, b.h + m * H);
+            quantize_row(b.h, m, H, &b);
+        }
         for (int64_t l = 0; l < md->num_layers; l++) {
             const llmd_layer *ly = &md->layers[l];
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) rmsnorm_row(x + m * H, ly->input_norm, H, md->eps, b.h + m * H);
-            linear(&ly->qkv, b.h, M, &b, b.qkv);
+            linear(&ly->qkv, M, &b, b.qkv);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 float *qr = b.qkv + m * qkv_size, *kr = qr + q_size, *vr = kr + kv_size;
@@ -245,23 +251,32 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
             llmd_decode_attention_body(b.qkv, qkv_size, ly->k_cache, ly->v_cache, bf16, block_tables, max_blocks,
                                        seq_lens, M, NH, KVH, D, md->block_size, ly->window, md->scale, splits,
                                        b.partial, b.attn);
-            linear(&ly->o, b.attn, M, &b, b.tmp);
+            llmd_q8_quantize_body(b.attn, M, q_size, b.xq, b.xd, b.xm);
+            linear(&ly->o, M, &b, b.tmp);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 float *xr = x + m * H;
                 for (int64_t i = 0; i < H; i++) xr[i] += b.tmp[m * H + i];
                 rmsnorm_row(xr, ly->post_norm, H, md->eps, b.h + m * H);
+                quantize_row(b.h, m, H, &b);
             }
-            linear(&ly->gate_up, b.h, M, &b, b.gu);
+            linear(&ly->gate_up, M, &b, b.gu);
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) silu_mul_row(b.gu + m * 2 * I, b.gu + m * 2 * I + I, I, b.act + m * I);
-            linear(&ly->down, b.act, M, &b, b.tmp);
+            for (int64_t m = 0; m < M; m++) {
+                silu_mul_row(b.gu + m * 2 * I, b.gu + m * 2 * I + I, I, b.act + m * I);
+                quantize_row(b.act, m, I, &b);
+            }
+            linear(&ly->down, M, &b, b.tmp);
+            /* the residual, then the next layer's input norm (or the final one) on the same rows */
+            const float *next_norm = l + 1 < md->num_layers ? md->layers[l + 1].input_norm : md->final_norm;
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t i = 0; i < H; i++) x[m * H + i] += b.tmp[m * H + i];
+            for (int64_t m = 0; m < M; m++) {
+                float *xr = x + m * H;
+                for (int64_t i = 0; i < H; i++) xr[i] += b.tmp[m * H + i];
+                rmsnorm_row(xr, next_norm, H, md->eps, (l + 1 < md->num_layers ? b.h : out) + m * H);
+                if (l + 1 < md->num_layers) quantize_row(b.h, m, H, &b);
+            }
         }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) rmsnorm_row(x + m * H, md->final_norm, H, md->eps, out + m * H);
     }
     return 0;
 }

@@ -17,6 +17,8 @@ enum llmd_weight_kind { LLMD_Q4X8 = 1, LLMD_Q8X8 = 2 };
 /* x [M, K] fp32 -> xq [M, K] int8, xd [M, K/32] (scale of each block of 32), xm [M, K/32]
  * (xd * the block's sum of xq: what the int4 min term multiplies). */
 void llmd_q8_quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xm);
+/* One row of K inputs, on the calling thread (the decode step fuses it into its per-row phases). */
+void llmd_q8_quantize_row(const float *x, int64_t K, int8_t *xq, float *xd, float *xm);
 
 /* out[m * ldo + n] = x[m] . W[n] for n < N, from activations quantised by llmd_q8_quantize_body.
  * Q4X8: w, scales, mins as laid out by llmd.kernels.quant_cpu.repack_q4x8; Q8X8: mins is NULL. */
