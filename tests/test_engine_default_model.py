@@ -54,6 +54,7 @@ def reference(llm, prompts) -> list[list[int]]:
     return [list(gen.stream(p, GREEDY)) for p in prompts]
 
 
+@pytest.mark.profile_independent  # the dense fp32 model: torch's kernels only
 def test_sixteen_staggered_requests_match_one_at_a_time(llm, prompts, reference) -> None:
     requests = [(i // 2, f"q{i}", p, GREEDY) for i, p in enumerate(prompts)]
     got = run_engine(llm.engine, requests)
@@ -90,6 +91,7 @@ def test_batched_logprobs_match_unbatched_within_rounding(any_llm, prompts) -> N
     assert diffs.max() < worst_tol and diffs.mean() < mean_tol, f"max {diffs.max():.3f} mean {diffs.mean():.4f}"
 
 
+@pytest.mark.profile_independent  # the dense fp32 model: torch's kernels only
 @pytest.mark.parametrize("chunk", [1, 7, 13])
 def test_chunked_prefill_matches(llm, prompts, reference, chunk: int) -> None:
     from llmd.daemon.engine.engine import LLMEngine, EngineConfig
@@ -100,6 +102,7 @@ def test_chunked_prefill_matches(llm, prompts, reference, chunk: int) -> None:
     assert [got["q0"], got["q12"]] == [reference[0], reference[12]]
 
 
+@pytest.mark.profile_independent  # the dense fp32 model: torch's kernels only
 def test_preemption_matches(llm, prompts, reference) -> None:
     from llmd.daemon.engine.engine import LLMEngine, EngineConfig
 
@@ -110,6 +113,7 @@ def test_preemption_matches(llm, prompts, reference) -> None:
     assert [got[f"q{i}"] for i in picks] == [reference[i] for i in picks]
 
 
+@pytest.mark.profile_independent  # the dense fp32 model: torch's kernels only
 def test_shared_1000_token_prefix_is_served_from_the_cache(llm) -> None:
     from llmd.daemon.engine.engine import LLMEngine, EngineConfig
 

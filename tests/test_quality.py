@@ -39,6 +39,8 @@ SERVED = {
     "int8": {"quant": "int8"},
     "int4-g64": {"quant": "int4", "group_size": 64},
 }
+# the requantisation is the same under every profile: the LLMD_CPU=avx2 pass skips it
+PARAMS = [pytest.param(n, marks=pytest.mark.profile_independent) if n == "int4-g64" else n for n in SERVED]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def exact_path(model) -> None:
     model.head_q8 = model.decode_step = None
 
 
-@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("name", PARAMS)
 def test_served_setup_keeps_the_quality(name: str, text: str, reference: float) -> None:
     """The canary, then the perplexity of the served path, then of the same weights' exact path."""
     from llmd import LLM
@@ -87,6 +89,7 @@ def test_served_setup_keeps_the_quality(name: str, text: str, reference: float) 
     assert abs(served.perplexity / bar - 1) < MARGIN, (name, served.perplexity, bar)
 
 
+@pytest.mark.profile_independent  # the dense fp32 torch path
 def test_the_gate_would_catch_a_broken_path(text: str, reference: float) -> None:
     """The 2% are a wide margin for rounding (the served paths measure within 0.3% here) and a
     narrow one for bugs: one of 30 layers with its gate and up projections swapped (a loader's slip)
@@ -101,6 +104,7 @@ def test_the_gate_would_catch_a_broken_path(text: str, reference: float) -> None
     assert broken > (1 + 2 * MARGIN) * reference, (broken, reference)
 
 
+@pytest.mark.profile_independent  # it sets its own profile
 def test_portable_profile_perplexity(text: str, tmp_path: Path) -> None:
     """LLMD_CPU=portable (no SIMD beyond SSE2: the C's portable paths, torch's default kernels),
     on the first 600 tokens (that path is ~30x slower), against the exact model on the same."""
@@ -139,6 +143,7 @@ def paris_margin(llm) -> float:
     return lp1 - lp2
 
 
+@pytest.mark.profile_independent  # the same kernels as in-process: the wire is what it adds
 def test_through_the_daemon(tmp_path: Path, text: str, reference: float) -> None:
     """The served default setup as a client sees it: the canary's margin from the daemon's
     logprobs, and `llmd bench --perplexity` (prompt_logprobs over the wire) within the gate."""

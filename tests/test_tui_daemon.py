@@ -31,7 +31,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("tui-daemon")
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp / "model", with_tokenizer=True)
     socket_dir, env = tmp / "run", daemon_env(tmp)
-    connection = start_daemon(model_dir, socket_dir, "--block-size", "4", "--kv-cache-mb", "1", env=env)
+    # NOTE: --attention torch: the layer-by-layer path. The native decode step runs this tiny model's
+    # 200 tokens in a fraction of the 0.25 s between stats messages, which then never catch it running.
+    connection = start_daemon(model_dir, socket_dir, "--block-size", "4", "--kv-cache-mb", "1", "--attention", "torch",
+                              env=env)
     yield connection
     stop_daemon(socket_dir, env)
 
