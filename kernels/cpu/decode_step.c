@@ -112,11 +112,7 @@ static inline float sum_squares(const float *x, int64_t n) {
         acc = _mm256_fmadd_ps(a, a, acc);
         acc2 = _mm256_fmadd_ps(b, b, acc2);
     }
-    acc = _mm256_add_ps(acc, acc2);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    total = _mm_cvtss_f32(s);
+    total = llmd_hsum8(_mm256_add_ps(acc, acc2));
 #endif
     for (; i < n; i++) total += x[i] * x[i];
     return total;

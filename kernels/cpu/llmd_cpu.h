@@ -11,6 +11,17 @@
 
 #define LLMD_QK 32 /* activations are quantised per block of this many inputs */
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* The sum of 8 fp32 lanes: halves, then pairs (one fixed order). */
+static inline float llmd_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* Weight layouts the quantised matmuls read (llmd.kernels.quant_cpu repacks llmd.quant's). */
 enum llmd_weight_kind { LLMD_Q4X8 = 1, LLMD_Q8X8 = 2 };
 

@@ -58,11 +58,7 @@ static inline float dot_k(const float *a, const void *k, int bf16, int64_t n) {
     }
     for (; i + 8 <= n; i += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)k + i * width, bf16), acc);
-    acc = _mm256_add_ps(acc, acc2);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    s = _mm_cvtss_f32(h);
+    s = llmd_hsum8(_mm256_add_ps(acc, acc2));
 #endif
     for (; i < n; i++) s += a[i] * load1(k, i, bf16);
     return s;
