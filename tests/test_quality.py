@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from llmd import perplexity
 from llmd.kernels.cpu_profile import has_fast_bf16

@@ -275,11 +275,12 @@ class LlamaForCausalLM(nn.Module):
         if self.dtype not in decode_cpu.CACHE_DTYPES:
             return f"the native decode step takes fp32 or bf16 models, not {self.dtype}"
         for layer in self.model.layers:
-            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if getattr(proj, "native", None) is None:
-                    return "some projections are not on the native INT4/INT8 kernels"
-                if proj is not layer.self_attn.qkv_proj and proj is not layer.self_attn.o_proj and proj.bias is not None:
-                    return "MLP projections with biases"
+            attn, mlp = layer.self_attn, layer.mlp
+            if any(getattr(p, "native", None) is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                mlp.down_proj)):
+                return "some projections are not on the native INT4/INT8 kernels"
+            if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+                return "MLP projections with biases"
         return None
 
     def _build_decode_step(self, lib: ctypes.CDLL | None = None) -> DecodeStep:
