@@ -7,10 +7,12 @@ daemon takes it and clears the sockets and connection file left behind.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +48,18 @@ class RuntimeFiles:
         Raises:
             AlreadyRunningError: another daemon holds the lock.
         """
-        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        # NOTE: O_NOFOLLOW: a symlink planted here must not make us write a pid into its target.
+        try:
+            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise LlmdError(f"{self.run_dir / LOCK_FILE} is a symlink; llmd never follows one there: "
+                                "remove it") from None
+            raise LlmdError(f"cannot open the lock file {self.run_dir / LOCK_FILE}: {e.strerror}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            os.close(fd)
+            raise LlmdError(f"{self.run_dir / LOCK_FILE} is not a file of yours; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -69,7 +82,9 @@ class RuntimeFiles:
             "requests": self.requests_endpoint, "stats": self.stats_endpoint, **info,
         }
         tmp = self.run_dir / f".{CONNECTION_FILE}.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp.unlink(missing_ok=True)  # ours, left by a crash (we hold the lock)
+        # NOTE: O_EXCL: a file or symlink that appeared here since is refused, never written through.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, self.run_dir / CONNECTION_FILE)

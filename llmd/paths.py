@@ -4,6 +4,7 @@ chats, the models directory). Shared by the daemon and its clients."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -14,6 +15,7 @@ from llmd.errors import LlmdError
 
 CONNECTION_FILE = "daemon.json"
 LOCK_FILE = "daemon.lock"
+MAX_CONNECTION_FILE_BYTES = 64 * 1024  # far more than a real one; a planted huge file is not read whole
 
 
 def runtime_dir(override: str | os.PathLike[str] | None = None, create: bool = True) -> Path:
@@ -40,21 +42,65 @@ def runtime_dir(override: str | os.PathLike[str] | None = None, create: bool = T
         path = Path("/tmp") / f"llmd-{os.getuid()}"
     if create:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.exists():
-        st = path.stat()
-        if st.st_uid != os.getuid():
-            raise LlmdError(f"runtime directory {path} belongs to another user; pass --socket-dir DIR")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            # NOTE: the sockets in here accept requests; nobody else may reach them.
-            os.chmod(path, 0o700)
+    if os.path.lexists(path):
+        check_private_dir(path)
     return path
 
 
-def read_connection_file(run_dir: Path) -> dict[str, Any] | None:
-    """The running daemon's connection info, or None if there is no file or its daemon is gone."""
+def check_private_dir(path: Path) -> None:
+    """Refuse a runtime dir someone else could plant files in, as ssh and PostgreSQL do: it must be
+    ours, not a symlink someone else made, and closed to group and others. Never chmod and carry on:
+    whatever is already inside may have been planted.
+
+    Raises:
+        LlmdError: with the fix in one line.
+    """
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.getuid():
+        raise LlmdError(f"runtime directory {path} is a symlink owned by another user; "
+                        "pass --socket-dir with a directory of your own")
     try:
-        info = json.loads((run_dir / CONNECTION_FILE).read_text())
-    except (OSError, ValueError):
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise LlmdError(f"runtime directory {path} is a dangling symlink; remove it or pass --socket-dir DIR") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise LlmdError(f"runtime directory {path} is not a directory; pass --socket-dir DIR")
+    if st.st_uid != os.getuid():
+        raise LlmdError(f"runtime directory {path} belongs to another user (uid {st.st_uid}); "
+                        "pass --socket-dir with a directory of your own")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        # NOTE: the sockets in here accept requests, and clients believe the connection file.
+        raise LlmdError(f"runtime directory {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+                        f"check nothing in it is foreign, then `chmod 700 {path}`, or pass --socket-dir DIR")
+
+
+def read_connection_file(run_dir: Path) -> dict[str, Any] | None:
+    """The running daemon's connection info, or None if there is no file or its daemon is gone.
+
+    The file is believed only if it is a regular file of ours that nobody else can read or write
+    (it holds the key, and names the endpoint clients send their prompts to).
+
+    Raises:
+        LlmdError: the file is there but not trustworthy (a symlink, someone else's, or open to others).
+    """
+    path = run_dir / CONNECTION_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LlmdError(f"{path} is a symlink; llmd never follows one there: remove it") from None
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise LlmdError(f"{path} was not written by your llmd daemon (owner uid {st.st_uid}, mode "
+                            f"{stat.S_IMODE(st.st_mode):04o}); remove it")
+        data = f.read(MAX_CONNECTION_FILE_BYTES)
+    try:
+        info = json.loads(data)
+    except ValueError:
         return None
     if not isinstance(info, dict) or not isinstance(info.get("pid"), int) or not _alive(info["pid"]):
         return None

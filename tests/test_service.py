@@ -174,6 +174,7 @@ def test_install_warns_about_a_daemon_started_by_hand(home: Path) -> None:
     run_dir = Path(os.environ["LLMD_RUNTIME_DIR"])
     run_dir.mkdir(mode=0o700)
     (run_dir / paths.CONNECTION_FILE).write_text(json.dumps({"pid": os.getpid()}))
+    (run_dir / paths.CONNECTION_FILE).chmod(0o600)  # as the daemon writes it: a file open to others is not believed
     text = service.install()
     assert f"pid {os.getpid()}" in text and "llmd stop" in text
     assert calls(home) == ["--user daemon-reload", "--user enable --now llmd.service"]
