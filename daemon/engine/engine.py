@@ -18,7 +18,7 @@ from llmd.daemon.engine.model_runner import ModelRunner, kv_block_bytes
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import Scheduler, SchedulerConfig
-from llmd.daemon.engine.sequence import FinishReason, Sequence
+from llmd.daemon.engine.sequence import MAX_PRIORITY, MIN_PRIORITY, FinishReason, Sequence
 from llmd.daemon.engine.stats import EngineStats, ThroughputMeter
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
@@ -164,17 +164,24 @@ class LLMEngine:
         return min(self.max_model_len, self.num_blocks * self.config.block_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    owner: Any = None) -> Sequence:
+                    owner: Any = None, priority: int = 0) -> Sequence:
         """Queue a request.
 
+        Args:
+            owner: the client that asked (opaque; the scheduler shares each step fairly between owners).
+            priority: higher is scheduled sooner, in ``MIN_PRIORITY..MAX_PRIORITY`` (-10..10);
+                interactive requests use 1.
+
         Raises:
-            RequestError: duplicate id, empty prompt or out-of-vocabulary token ids.
+            RequestError: duplicate id, empty prompt, out-of-vocabulary token ids or a bad priority.
             PromptTooLongError: prompt + max_tokens can never fit the context or the KV pool.
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise RequestError(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r}")
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad!r} is outside the vocabulary (0..{self.vocab_size - 1})")
@@ -185,7 +192,8 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} "
                 f"tokens but the {where} holds {self.max_request_tokens}; shorten the prompt or lower max_tokens"
             )
-        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, owner=owner)
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, owner=owner,
+                       priority=priority)
         self.requests[request_id] = _Request(seq, RequestDetokenizer(self.tokenizer, params.stop))
         if params.prompt_logprobs is not None:
             self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)

@@ -15,6 +15,9 @@ from typing import Any
 from llmd.daemon.engine.sampling_params import SamplingParams
 
 
+MIN_PRIORITY, MAX_PRIORITY = -10, 10  # a request's priority: higher is scheduled sooner
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -55,6 +58,7 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     owner: Any = None  # the client that asked (the daemon's identity), opaque here
+    priority: int = 0  # higher is scheduled sooner (MIN_PRIORITY..MAX_PRIORITY)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table
