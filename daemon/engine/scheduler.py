@@ -1,17 +1,37 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill, fair between clients, and preemption by recompute.
 
-Each step spends one token budget: running sequences first (a decode costs 1 token, an unfinished
-prompt as much of its remainder as fits), then waiting ones in arrival order. Prompt chunks and
-decode tokens share one ragged batch. When the pool runs dry, the most recently admitted running
-sequence is preempted: its blocks are freed and it waits at the front of the queue to be
-recomputed (its prefix may well still be in the cache).
+Each step spends one token budget; prompt chunks and decode tokens share one ragged batch.
+
+1. Decodes first, one token each: they are cheap, and someone is watching them stream.
+2. The rest goes to prompt work (running prompts and waiting requests), higher priority first.
+   Within a priority it is split max-min fairly between owners (clients): an owner that needs less
+   than an equal share gets all it needs, the others split the rest evenly. One client's long
+   prompts cannot take the whole budget while another client has work: a short request starts in
+   the step after it arrives, however much is queued ahead of it.
+3. Each owner spends its share on its own work, shortest remainder first, so a long prompt is
+   chunked behind short ones, not in front of them. A waiting request is admitted when its turn
+   comes, if there is a slot and the blocks for its whole remaining prompt; a share an owner
+   cannot use is split again among the others.
+
+Admission reserves the whole prompt's blocks because a half-computed prompt that cannot grow forces
+a preemption, and its chunks are computed again later: a few long prompts thrash. A request that
+does not fit is skipped, never holding back smaller ones behind it, but it keeps its place
+(priority, then arrival): once ``max_num_seqs`` requests from behind it have been admitted, no
+more of its priority or lower are until it is, so it cannot starve.
+
+When the pool runs dry for a decode's next block, a running sequence is preempted: of the lowest
+priority, of the owner holding the most blocks, the most recently admitted. Its blocks are freed and
+it waits in its old place to be recomputed (its prefix may well still be in the cache); nothing is
+admitted in that step, which would only thrash.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -47,70 +67,158 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+def fair_shares(demands: dict[Any, int], budget: int) -> dict[Any, int]:
+    """Split ``budget`` tokens max-min fairly between owners: smallest demand first, each gets what
+    it asks for or an equal share of what is left, whichever is less.
+
+    Returns:
+        owner -> tokens; they sum to ``min(budget, sum(demands.values()))``.
+    """
+    shares = {}
+    owners = sorted(demands, key=demands.__getitem__)
+    for i, owner in enumerate(owners):
+        shares[owner] = min(demands[owner], budget // (len(owners) - i))
+        budget -= shares[owner]
+    return shares
+
+
+def _num_left(seq: Sequence) -> int:
+    return seq.num_tokens - seq.num_computed_tokens
+
+
+def _place(seq: Sequence) -> tuple[int, float]:
+    """A waiting sequence's place in the queue: priority, then arrival (a preempted one keeps it)."""
+    return -seq.priority, seq.timings.arrival
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # in their places (see _place)
+        self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0  # since start
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the cache, since start
         self.num_prefix_query_tokens = 0  # prompt tokens looked up, since start
+        self._num_passed: dict[Sequence, int] = {}  # waiting, did not fit -> admissions from behind it
+        # this step's state, for _admit
+        self._blocker: Sequence | None = None
+        self._preempted = False
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_place)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        self._preempted = self._make_room()
+        limit = self.config.max_num_seqs
+        self._blocker = min((s for s, n in self._num_passed.items() if n >= limit), key=_place, default=None)
+        if self._blocker is not None:
+            self._admit(self._blocker)  # first in, the moment it fits
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while self.kv.allocate_slots(seq, num_new) is None:
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
+        for seq in sorted(self.running, key=lambda s: -s.priority):
+            if budget and _num_left(seq) == 1:
                 batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
-                budget -= num_new
-                i += 1
-        # NOTE: after a preemption the pool is tight; admitting new work now would only thrash.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(seq, num_new, computed_blocks) is None:
-                break
-            self.waiting.popleft()
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached
-                self.num_prefix_hit_tokens += num_cached
-                self.num_prefix_query_tokens += seq.num_prompt_tokens
-            seq.num_computed_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            if seq.timings.first_scheduled is None:
-                seq.timings.first_scheduled = time.monotonic()
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
+                batch.num_new_tokens.append(1)
+                budget -= 1
+        work = [seq for seq in self.running if _num_left(seq) > 1]
+        if not self._preempted and len(self.running) < limit:
+            work += self.waiting
+        work.sort(key=lambda s: (-s.priority, _num_left(s), s.timings.arrival))
+        grants: dict[Sequence, int] = {}
+        for _, same_priority in itertools.groupby(work, key=lambda s: s.priority):
+            queues: dict[Any, list[Sequence]] = {}  # owner -> its work, the next one last
+            for seq in reversed(list(same_priority)):
+                queues.setdefault(seq.owner, []).append(seq)
+            budget = self._share(queues, budget, grants)
+        batch.seqs += grants
+        batch.num_new_tokens += grants.values()
         return batch
 
+    def _share(self, queues: dict[Any, list[Sequence]], budget: int, grants: dict[Sequence, int]) -> int:
+        """Grant up to ``budget`` tokens to the owners' queues, max-min fairly between owners,
+        admitting waiting sequences as their turn comes; returns the budget left."""
+        while budget and queues:
+            demands = {owner: sum(_num_left(s) - grants.get(s, 0) for s in queue) for owner, queue in queues.items()}
+            for owner, share in fair_shares(demands, budget).items():
+                queue = queues[owner]
+                while share and queue:
+                    seq = queue[-1]
+                    if seq.status is SequenceStatus.WAITING and not self._admit(seq):
+                        queue.pop()  # the share goes to the owner's next one
+                        continue
+                    num_new = min(_num_left(seq) - grants.get(seq, 0), share)
+                    grants[seq] = grants.get(seq, 0) + num_new
+                    share -= num_new
+                    budget -= num_new
+                    if grants[seq] == _num_left(seq):
+                        queue.pop()
+                if not queue:
+                    del queues[owner]  # what it could not use is shared again among the rest
+        return budget
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Move a waiting sequence to running if there is a slot and the blocks for its whole
+        remaining prompt fit; if not, it starts counting the admissions from behind it."""
+        blocker = self._blocker
+        if self._preempted or (blocker is not None and seq is not blocker and seq.priority <= blocker.priority):
+            return False
+        fits = len(self.running) < self.config.max_num_seqs
+        if fits:
+            computed_blocks, num_cached = self.kv.get_computed_blocks(seq)
+            fits = self.kv.allocate_slots(seq, seq.num_tokens - num_cached, computed_blocks) is not None
+        if not fits:
+            self._num_passed.setdefault(seq, 0)
+            return False
+        self._num_passed.pop(seq, None)
+        for other in self._num_passed:
+            if _place(other) < _place(seq):
+                self._num_passed[other] += 1
+        if seq is blocker:
+            self._blocker = None
+        self.waiting.remove(seq)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_cached
+            self.num_prefix_hit_tokens += num_cached
+            self.num_prefix_query_tokens += seq.num_prompt_tokens
+        seq.num_computed_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        if seq.timings.first_scheduled is None:
+            seq.timings.first_scheduled = time.monotonic()
+        self.running.append(seq)
+        return True
+
+    def _make_room(self) -> bool:
+        """Give every running sequence the blocks for its uncomputed tokens (a prompt has them
+        since admission; a decode may need one), preempting when the pool is dry. Returns
+        whether anything was preempted."""
+        preempted = False
+        for seq in list(self.running):
+            while seq.status is SequenceStatus.RUNNING and self.kv.allocate_slots(seq, _num_left(seq)) is None:
+                victim = self._pick_victim()
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted = True
+        return preempted
+
+    def _pick_victim(self) -> Sequence:
+        held: dict[Any, int] = {}
+        for seq in self.running:
+            held[seq.owner] = held.get(seq.owner, 0) + len(seq.block_ids)
+        # min() keeps the first of equals, so the newest wins ties
+        return min(reversed(self.running), key=lambda s: (s.priority, -held[s.owner]))
+
     def _preempt(self, seq: Sequence) -> None:
+        """Free a sequence taken out of ``running`` and queue it for recompute in its old place."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=_place)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Advance each scheduled sequence after the model ran; returns those that finished.
@@ -149,6 +257,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+            self._num_passed.pop(seq, None)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

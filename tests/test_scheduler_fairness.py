@@ -1,0 +1,243 @@
+"""The scheduler shares each step between clients (owners) and priorities: a short request is not
+stuck behind another client's long prompts, a request that does not fit does not block smaller ones
+and is not starved, decodes run every step, preemption takes from the owner holding the most.
+
+The scheduler runs without a model here: a step "computes" what was scheduled and samples token 7
+when a sequence's last token was computed (every request ignores EOS and stops at max_tokens).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmd.daemon.engine.kv_cache_manager import KVCacheManager
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.engine.scheduler import Scheduler, SchedulerConfig
+from llmd.daemon.engine.sequence import Sequence, SequenceStatus
+
+_prompt_seeds = itertools.count(1)
+
+
+def make_seq(rid: str, num_tokens: int, owner: Any = None, priority: int = 0, max_tokens: int = 4) -> Sequence:
+    """A request with a prompt of its own (no prefix shared with any other)."""
+    seed = next(_prompt_seeds) * 7919
+    prompt = [(seed + i * 31) % 250 + 1 for i in range(num_tokens)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Sequence(rid, prompt, params, owner=owner, priority=priority)
+
+
+def make_scheduler(num_blocks: int = 4096, block_size: int = 16, max_num_seqs: int = 64,
+                   max_num_batched_tokens: int = 512) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=8192)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
+
+
+def step(sched: Scheduler) -> dict[str, int]:
+    """One step without a model; returns each scheduled request's number of tokens."""
+    batch = sched.schedule()
+    sampled = [7 if seq.num_computed_tokens + n == seq.num_tokens else None
+               for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+    sched.update(batch, sampled)
+    assert batch.num_tokens <= sched.config.max_num_batched_tokens
+    assert len(batch.seqs) == len(set(map(id, batch.seqs))), "a sequence scheduled twice in one step"
+    return {seq.request_id: n for seq, n in zip(batch.seqs, batch.num_new_tokens)}
+
+
+def add_all(sched: Scheduler, seqs: list[Sequence]) -> list[Sequence]:
+    for seq in seqs:
+        sched.add(seq)
+    return seqs
+
+
+def test_short_request_of_another_owner_is_not_stuck_behind_long_prompts() -> None:
+    # The measured problem: one client's four 7,000-token prompts, another client's 4-token request.
+    sched = make_scheduler()
+    long_ones = add_all(sched, [make_seq(f"a{i}", 7000, owner="A", max_tokens=16) for i in range(4)])
+    for _ in range(3):
+        step(sched)
+    short = add_all(sched, [make_seq("b", 4, owner="B", max_tokens=8)])[0]
+    first = step(sched)
+    assert first["b"] == 4, "the short request's whole prompt runs in the step after it arrives"
+    assert sum(n for rid, n in first.items() if rid.startswith("a")) == 512 - 4, "A keeps the rest"
+    for _ in range(7):
+        step(sched)
+    assert short.is_finished and short.num_output_tokens == 8, "8 tokens in 8 steps"
+    assert not any(seq.is_finished for seq in long_ones)
+
+
+def test_long_prompt_is_chunked_behind_short_ones() -> None:
+    sched = make_scheduler()
+    long_one = add_all(sched, [make_seq("long", 3000)])[0]
+    step(sched)
+    add_all(sched, [make_seq("s10", 10), make_seq("s20", 20), make_seq("s30", 30)])
+    got = step(sched)
+    assert (got["s10"], got["s20"], got["s30"]) == (10, 20, 30)
+    assert got["long"] == 512 - 60
+    assert long_one.num_computed_tokens == 512 + 452
+
+
+def test_decodes_run_every_step_while_another_owner_prefills() -> None:
+    sched = make_scheduler()
+    add_all(sched, [make_seq(f"b{i}", 3000, owner="B") for i in range(4)])
+    step(sched)
+    chat = add_all(sched, [make_seq(f"a{i}", 12, owner="A", max_tokens=20) for i in range(3)])
+    for i in range(20):
+        got = step(sched)
+        for seq in chat:
+            assert got[seq.request_id] == (12 if i == 0 else 1), f"step {i}: {seq.request_id} left out"
+        assert sum(n for rid, n in got.items() if rid.startswith("b")) == 512 - (36 if i == 0 else 3)
+    assert all(seq.is_finished and seq.num_output_tokens == 20 for seq in chat)
+
+
+@pytest.mark.parametrize("first_owner", ["A", None])  # None (in-process use) is one owner like any other
+def test_budget_is_split_fairly_between_owners_over_many_steps(first_owner: Any) -> None:
+    sched = make_scheduler()
+    add_all(sched, [make_seq(f"x{i}", 4000, owner=first_owner) for i in range(6)])
+    add_all(sched, [make_seq(f"y{i}", 4000, owner="B") for i in range(2)])
+    add_all(sched, [make_seq("z", 4000, owner="C")])
+    totals = {"x": 0, "y": 0, "z": 0}
+    for _ in range(15):  # 7,680 tokens: every owner stays backlogged
+        for rid, n in step(sched).items():
+            totals[rid[0]] += n
+    assert sum(totals.values()) == 15 * 512
+    for owner, total in totals.items():
+        assert abs(total - 15 * 512 / 3) <= 15, f"owner of {owner}*: {total} of {15 * 512} tokens"
+
+
+def test_waiting_request_that_does_not_fit_does_not_block_smaller_ones() -> None:
+    sched = make_scheduler(num_blocks=20)  # 320 tokens
+    holder = add_all(sched, [make_seq("holder", 200, max_tokens=10)])[0]  # 13 blocks, then 14
+    step(sched)
+    big, small = add_all(sched, [make_seq("big", 150, max_tokens=4), make_seq("small", 20, max_tokens=4)])
+    got = step(sched)
+    assert "big" not in got and got["small"] == 20, "the small one passes the big one that does not fit"
+    assert big.status is SequenceStatus.WAITING and sched.waiting == [big]
+    finished_at = {}
+    for i in range(40):
+        step(sched)
+        for seq in (holder, big, small):
+            if seq.is_finished:
+                finished_at.setdefault(seq.request_id, i)
+    assert set(finished_at) == {"holder", "big", "small"}, "the big one got in once blocks were free"
+    assert finished_at["small"] < finished_at["holder"] < finished_at["big"]
+    assert sched.num_preemptions == 0 and sched.kv.pool.num_free_blocks == 20
+
+
+def test_request_skipped_for_lack_of_room_is_not_starved() -> None:
+    # 8 slots and 24 blocks; a small request arrives every step and holds 2 blocks for ~11 steps:
+    # with 7 of them running the big one's 11 blocks do not fit, and a new small one always does.
+    sched = make_scheduler(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=256)
+    add_all(sched, [make_seq(f"s{i}", 16, owner="B", max_tokens=10 + i) for i in range(8)])
+    step(sched)
+    big = add_all(sched, [make_seq("big", 170, owner="A")])[0]
+    passed_big = 0
+    for i in range(60):
+        add_all(sched, [make_seq(f"n{i}", 16, owner="B", max_tokens=10)])
+        got = step(sched)
+        if big.status is not SequenceStatus.WAITING:
+            break
+        passed_big += sum(1 for rid, n in got.items() if rid.startswith("n") and n == 16)
+    else:
+        pytest.fail("the big request starved")
+    assert passed_big >= 1, "smaller requests went in while the big one did not fit"
+    assert passed_big <= 8 + 1, "after max_num_seqs admissions past it, the big one holds its place"
+    assert got["big"] == 170
+
+
+def test_priority_orders_admission() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    add_all(sched, [make_seq("running", 10, max_tokens=3)])
+    step(sched)
+    low, high = add_all(sched, [make_seq("low", 10, owner="A"), make_seq("high", 10, owner="B", priority=1)])
+    order = []
+    for _ in range(12):
+        got = step(sched)
+        order += [rid for rid in ("low", "high") if got.get(rid) == 10]
+    assert order == ["high", "low"]
+
+
+def test_higher_priority_prompt_takes_the_budget_first() -> None:
+    sched = make_scheduler()
+    add_all(sched, [make_seq("batch", 3000, owner="A")])
+    step(sched)
+    add_all(sched, [make_seq("interactive", 3000, owner="B", priority=1)])
+    assert step(sched) == {"interactive": 512}
+    add_all(sched, [make_seq("urgent-short", 8, owner="A", priority=2)])
+    assert step(sched) == {"urgent-short": 8, "interactive": 504}
+
+
+@pytest.mark.parametrize("case", ["owner holding most blocks", "lowest priority"])
+def test_preemption_takes_from_the_biggest_owner_or_lowest_priority(case: str) -> None:
+    # 10 blocks of 4: the two requests hold 6 + 2 blocks after their prompts, and 9 + 5 at the end.
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=64)
+    if case == "owner holding most blocks":
+        older = add_all(sched, [make_seq("big", 21, owner="A", max_tokens=12)])[0]
+        step(sched)
+        newer = add_all(sched, [make_seq("small", 7, owner="B", max_tokens=12)])[0]
+        victim, survivor = older, newer
+    else:
+        older = add_all(sched, [make_seq("small", 7, owner="B", max_tokens=12)])[0]
+        step(sched)
+        newer = add_all(sched, [make_seq("big", 21, owner="A", priority=1, max_tokens=12)])[0]
+        victim, survivor = older, newer
+    for _ in range(12):
+        if sched.num_preemptions:
+            break
+        step(sched)
+    assert sched.num_preemptions == 1
+    assert victim.num_preemptions >= 1 and survivor.num_preemptions == 0
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert older.num_output_tokens == newer.num_output_tokens == 12
+    assert sched.kv.pool.num_free_blocks == 10
+
+
+def test_long_prompts_that_do_not_all_fit_are_not_thrashed() -> None:
+    # 16 blocks of 16 hold one 150-token prompt (10 blocks) and its output, not two: the others
+    # wait instead of being computed chunk by chunk and preempted when the pool runs dry.
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=64)
+    seqs = add_all(sched, [make_seq(f"p{i}", 150, max_tokens=8) for i in range(3)])
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert all(seq.is_finished for seq in seqs)
+    assert sched.num_preemptions == 0
+
+
+def test_fair_shares_is_max_min_fair() -> None:
+    from llmd.daemon.engine.scheduler import fair_shares
+
+    assert fair_shares({"a": 10, "b": 1000, "c": 1000}, 512) == {"a": 10, "b": 251, "c": 251}
+    assert fair_shares({"a": 1000, "b": 1000, "c": 1000}, 512) == {"a": 170, "b": 171, "c": 171}
+    assert fair_shares({"a": 3, None: 4}, 512) == {"a": 3, None: 4}
+    assert fair_shares({"a": 5, "b": 5}, 0) == {"a": 0, "b": 0}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tiny_models import make_engine, make_hf_model, save_hf_model
+
+    model_dir = save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("fair") / "m", with_tokenizer=True)
+    return make_engine(Path(model_dir), num_blocks=32)
+
+
+def test_add_request_takes_and_checks_a_priority(engine: Any) -> None:
+    from llmd.errors import RequestError
+
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i, bad in enumerate([True, 1.0, "1", 11, -11, None]):
+        with pytest.raises(RequestError, match="priority must be an integer from -10 to 10"):
+            engine.add_request(f"bad{i}", [1, 2, 3], params, priority=bad)
+    assert engine.add_request("chat", [1, 2, 3], params, owner=b"ui", priority=1).priority == 1
+    assert engine.add_request("bulk", [4, 5, 6], params, priority=-10).priority == -10
+    assert engine.add_request("plain", [7, 8, 9], params).priority == 0
+    while engine.has_unfinished():
+        engine.step()
