@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ class DaemonOptions:
     cuda_graphs: bool = False
     socket_dir: str | None = None
     tcp: str | None = None
+    allow_remote: bool = False
     max_queue_len: int = 256
     drain_timeout: float = 10.0
     quant: str = "auto"
@@ -41,16 +44,37 @@ class DaemonOptions:
     log_file: str | None = None  # where the log goes (rotated), None: stderr
 
 
-def check_tcp(tcp: str | None) -> None:
+def check_tcp(tcp: str | None, allow_remote: bool = False) -> None:
+    """Refuse a TCP address other machines could reach unless ``allow_remote``; warn on stderr
+    when it is allowed.
+
+    Raises:
+        LlmdError: a malformed address, or a non-loopback one without ``allow_remote``.
+    """
     if tcp is None:
         return
     try:
         OPTIONS["tcp"].parse(tcp)  # the check the flag and the config file make
     except ValueError:
         raise LlmdError(f"--tcp takes HOST:PORT (e.g. 127.0.0.1:7860), got {tcp!r}") from None
-    host = tcp.rpartition(":")[0]
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("serving on %s: reachable from other machines (requests are still HMAC-signed)", tcp)
+    host = tcp.rpartition(":")[0].strip("[]")
+    if is_loopback(host):
+        return
+    if not allow_remote:
+        raise LlmdError(f"--tcp {tcp} would be reachable from other machines; use 127.0.0.1:PORT, or add "
+                        "--allow-remote if you mean it")
+    print(f"llmd: warning: serving on {tcp}, reachable from other machines (CURVE-encrypted; clients need "
+          "the keys in the connection file)", file=sys.stderr, flush=True)
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach ``host`` (``*``, ``0.0.0.0`` and names that resolve elsewhere cannot)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # an interface or host name: it may face the network
 
 
 def serve(opts: DaemonOptions) -> int:
@@ -69,7 +93,7 @@ def serve(opts: DaemonOptions) -> int:
     from llmd.daemon.server import Server, ServerConfig
     from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
 
-    check_tcp(opts.tcp)
+    check_tcp(opts.tcp, opts.allow_remote)
     device = resolve_device(opts.device)
     try:
         engine_config = EngineConfig(block_size=opts.block_size, kv_cache_mb=opts.kv_cache_mb,
@@ -118,7 +142,7 @@ def serve(opts: DaemonOptions) -> int:
                 "journal": opts.log_file is None and "INVOCATION_ID" in os.environ}
         del loaded  # only the engine holds the model: an idle unload must be able to free it
         server = Server(engine, files, info, server_config, load_model=lambda: load().model)
-        files.write_connection_file({**info, **server.endpoints})
+        files.write_connection_file({**info, **server.connection_fields})
         log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens; weights %s) after %.1fs", source.name,
                  files.requests_endpoint, device, info["dtype"], engine.num_blocks, opts.block_size,
                  describe(memory), time.monotonic() - start)

@@ -5,16 +5,25 @@ step's deltas to their clients, publish stats now and then. The one exception is
 after an idle unload (``idle_unload_s``): a worker thread loads it while the loop keeps answering,
 and the requests that arrived meanwhile wait in the queue (their queue time includes the load).
 
+Nothing a client sends can stall the loop: prompts are tokenised on a worker thread
+(daemon/prompt_encoder.py) and a request joins the engine when its tokens are ready.
+
 Sends never block: a client that reads slowly has its deltas queued (and merged) on our side while
 everyone else streams on, and a client that has gone away is noticed on the next send
 (``ROUTER_MANDATORY`` reports the peer unreachable), whereupon its requests are aborted and their
 KV blocks freed.
+
+Who may talk to us: on the ipc sockets, whoever can open the runtime dir (0700, ours); on ``tcp``,
+only a peer holding the client's CURVE key from the connection file (the link is encrypted, and a
+ZAP handler admits that one key). Every message is HMAC-signed and accepted once, while fresh
+(llmd.protocol.ReplayGuard).
 """
 
 from __future__ import annotations
 
 import errno
 import gc
+import hmac
 import itertools
 import logging
 import os
@@ -23,20 +32,24 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import zmq
+import zmq.auth.thread
 
 from llmd import __version__
 from llmd.daemon.engine.engine import LLMEngine
 from llmd.daemon.engine.outputs import RequestDelta
 from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.engine.sequence import MAX_PRIORITY, MIN_PRIORITY
+from llmd.daemon.prompt_encoder import PromptEncoder
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.errors import LlmdError, PromptTooLongError, RequestError
 from llmd.protocol import (
-    MAX_MESSAGE_BYTES, REQUEST_TYPES, ErrorCode, ProtocolError, SignatureError, decode, encode, parse_messages,
-    parse_prompt, parse_token_ids, require_str,
+    MAX_FRAMES, MAX_MESSAGE_BYTES, REQUEST_TYPES, ErrorCode, ProtocolError, ReplayGuard,
+    SignatureError, decode, encode, require_str,
 )
 
 log = logging.getLogger("llmd.server")
@@ -44,6 +57,9 @@ log = logging.getLogger("llmd.server")
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 KEEPALIVE_INTERVAL_S = 1.0
+# Messages ZeroMQ may hold for one client before we keep (and merge) its deltas ourselves: small, so
+# a reader that stops costs a bounded queue, not one message per token.
+CLIENT_SNDHWM = 64
 # NOTE: test hook, read once at start: make engine step number N raise, to test fault handling.
 _FAULT_STEP = int(os.environ.get("LLMD_FAULT_STEP", "0") or 0)
 
@@ -55,7 +71,7 @@ class ServerConfig:
     max_queue_len: int = 256
     stats_interval_s: float = 0.25
     drain_timeout_s: float = 10.0
-    tcp: str | None = None  # "host:port": also serve on TCP (requests on port, stats on port + 1)
+    tcp: str | None = None  # "host:port": also serve on TCP (requests on port, stats on port + 1), CURVE-encrypted
     idle_unload_s: float = 0.0  # free the model after this long without requests; 0: never
 
     def __post_init__(self) -> None:
@@ -77,8 +93,12 @@ class _Live:
     stream: bool
     num_prompt_tokens: int
     public_id: str  # how the stats stream names it (request ids are private to their client)
+    params: SamplingParams
+    priority: int = 0
+    encoding: Future[list[int]] | None = None  # set until the prompt's tokens are ready
     text: list[str] = field(default_factory=list)  # collected for stream=False
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
 
 
 class Server:
@@ -106,32 +126,37 @@ class Server:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.router.setsockopt(zmq.SNDHWM, 1000)
+        self.router.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
         self.router.setsockopt(zmq.LINGER, 0)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 10)  # stats are replaceable: drop, never queue
         self.pub.setsockopt(zmq.LINGER, 0)
         self.endpoints = {"requests": files.requests_endpoint, "stats": files.stats_endpoint}
+        self.curve_keys: dict[str, str] = {}  # for the connection file, with --tcp
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         try:
             self.router.bind(files.requests_endpoint)
             self.pub.bind(files.stats_endpoint)
             if self.config.tcp:
-                host, port = self.config.tcp.rsplit(":", 1)
-                if ":" in host:  # IPv6
-                    host = host if host.startswith("[") else f"[{host}]"
-                    self.router.setsockopt(zmq.IPV6, 1)
-                    self.pub.setsockopt(zmq.IPV6, 1)
-                for name, sock, p in (("tcp_requests", self.router, int(port)), ("tcp_stats", self.pub, int(port) + 1)):
-                    sock.bind(f"tcp://{host}:{p}")
-                    self.endpoints[name] = f"tcp://{host}:{p}"
+                self._bind_tcp(self.config.tcp)
         except zmq.ZMQError as e:
-            self.router.close(0)
-            self.pub.close(0)
-            self.ctx.term()
+            self._close_sockets()
             raise LlmdError(f"cannot listen ({e}); check --tcp HOST:PORT (port free?) and that --socket-dir "
                             "is a short path (ipc paths are limited to about 100 characters)") from None
+        except LlmdError:
+            self._close_sockets()
+            raise
+        self.encoder = PromptEncoder(self.tokenizer, engine.max_request_tokens)
+        self.replays = ReplayGuard()
+        # Woken through this pipe when an encoding finishes, so the loop can sleep in poll() meanwhile.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._encoding_replies: list[tuple[Future[list[int]], bytes, str]] = []  # `tokenize` requests
         self.live: dict[str, _Live] = {}  # engine request id -> request
-        self.outbox: dict[bytes, deque[list[bytes] | tuple[str, dict, str]]] = {}
+        self.outbox: dict[bytes, deque[tuple[str, dict, str]]] = {}
+        # per client, per request id: its delta still in the outbox, which later deltas are merged into
+        self._unsent_deltas: dict[bytes, dict[str, dict[str, Any]]] = {}
         self.last_sent: dict[bytes, float] = {}
         self.stopping = False
         self.drain_deadline: float | None = None
@@ -149,6 +174,44 @@ class Server:
         self._loading: threading.Thread | None = None
         self._loaded: list[Any] = []  # the loader thread's result: [model] or [exception]
 
+    def _bind_tcp(self, tcp: str) -> None:
+        """Serve on TCP too, CURVE-encrypted, admitting only the client key we publish in the
+        connection file. Socket options apply to later binds only, so the ipc endpoints bound
+        before stay plain (the runtime dir's permissions guard them)."""
+        if not zmq.has("curve"):
+            raise LlmdError("this pyzmq was built without CURVE, which --tcp needs; reinstall pyzmq from PyPI")
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        self._auth = zmq.auth.thread.ThreadAuthenticator(self.ctx, log=logging.getLogger("llmd.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback("llmd", _OneClientKey(client_public))
+        host, port = tcp.rsplit(":", 1)
+        if ":" in host:  # IPv6
+            host = host if host.startswith("[") else f"[{host}]"
+            self.router.setsockopt(zmq.IPV6, 1)
+            self.pub.setsockopt(zmq.IPV6, 1)
+        for name, sock, p in (("tcp_requests", self.router, int(port)), ("tcp_stats", self.pub, int(port) + 1)):
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, server_public)
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"llmd")
+            sock.bind(f"tcp://{host}:{p}")
+            self.endpoints[name] = f"tcp://{host}:{p}"
+        self.curve_keys = {"curve_server_key": server_public.decode(), "curve_public_key": client_public.decode(),
+                           "curve_secret_key": client_secret.decode()}
+
+    def _close_sockets(self) -> None:
+        self.router.close(0)
+        self.pub.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
+
+    @property
+    def connection_fields(self) -> dict[str, Any]:
+        """What the connection file adds to the model's info: endpoints and, with TCP, CURVE keys."""
+        return {**self.endpoints, **self.curve_keys}
+
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def request_stop(self, *_: Any) -> None:
@@ -165,6 +228,7 @@ class Server:
         signal.signal(signal.SIGINT, self.request_stop)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         code = 0
         try:
             while True:
@@ -179,6 +243,7 @@ class Server:
                     break
                 if poller.poll(timeout):
                     self._drain_incoming()
+                self._collect_encoded()
                 self._manage_model()
                 if self.engine.has_unfinished() and self.engine.is_loaded:
                     if not self._step():
@@ -191,8 +256,13 @@ class Server:
             if self._loading is not None:
                 self._loading.join()  # a daemon thread mid-load would die with the interpreter
             self._flush_outbox()
+            self.encoder.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             self.router.close(2000)  # give the last replies (done, cancelled) time to leave
             self.pub.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             self.ctx.term()
         log.info("stopped")
         return code
@@ -253,10 +323,23 @@ class Server:
 
     # ---- incoming --------------------------------------------------------------------------------
 
+    def _recv(self) -> list[bytes]:
+        """One message's frames (raises ``zmq.Again`` if none waits). A message of more than
+        MAX_FRAMES frames is read off frame by frame and comes back empty (dropped)."""
+        frames = [self.router.recv(zmq.NOBLOCK)]
+        too_many = False
+        while self.router.getsockopt(zmq.RCVMORE):
+            frame = self.router.recv()
+            if len(frames) < MAX_FRAMES:
+                frames.append(frame)
+            else:
+                too_many = True
+        return [] if too_many else frames
+
     def _drain_incoming(self) -> None:
         for _ in range(1000):  # bounded, so a flood cannot starve the engine
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self._recv()
             except zmq.Again:
                 return
             if len(frames) < 2:
@@ -265,6 +348,7 @@ class Server:
             identity, frames = frames[0], frames[1:]
             try:
                 msg = decode(self.key, frames, REQUEST_TYPES)
+                self.replays.check(msg, frames[1])
             except SignatureError:
                 self.num_dropped += 1
                 # NOTE: debug level: a flood of forged messages must not flood the log too.
@@ -302,7 +386,9 @@ class Server:
         elif msg.type == "info":
             self._reply(identity, "info", self._info(), msg.msg_id)
         elif msg.type == "tokenize":
-            self._reply(identity, "tokens", {"token_ids": self._tokenize(c)}, msg.msg_id)
+            future = self.encoder.submit(c)
+            future.add_done_callback(self._wake)
+            self._encoding_replies.append((future, identity, msg.msg_id))
         elif msg.type == "health":
             self._reply(identity, "health", {"status": "stopping" if self.stopping else "ok"}, msg.msg_id)
         elif msg.type == "ping":
@@ -316,24 +402,8 @@ class Server:
         # NOTE: requests are keyed by client identity too: nobody can reach another's request.
         return f"{identity.hex()}/{request_id}"
 
-    def _tokenize(self, c: dict[str, Any]) -> list[int]:
-        sources = [k for k in ("prompt", "messages", "token_ids") if k in c]
-        if len(sources) != 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "give exactly one of prompt, messages, token_ids")
-        if "token_ids" in c:
-            return parse_token_ids(c["token_ids"])
-        if "messages" in c:
-            messages = parse_messages(c["messages"])
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "this model has no chat template; send a prompt")
-            try:
-                return [int(t) for t in self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
-            except Exception as e:  # templates raise on e.g. roles that do not alternate
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"the chat template refused these messages: {e}") from None
-        return [int(t) for t in self.tokenizer.encode(parse_prompt(c["prompt"]))]
-
     def _generate(self, identity: bytes, msg: Any) -> None:
+        """Check the request and start encoding its prompt; :meth:`_collect_encoded` queues it."""
         c = msg.content
         rid = require_str(c, "request_id")
         key = self._key(identity, rid)
@@ -341,12 +411,15 @@ class Server:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"request id {rid!r} is already in use")
         if self.stopping:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; no new requests")
-        if len(self.engine.scheduler.waiting) >= self.config.max_queue_len:
-            raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self.engine.scheduler.waiting)} requests are "
-                                                      "queued; try again later")
+        queued = len(self.engine.scheduler.waiting) + sum(1 for live in self.live.values() if live.encoding)
+        if queued >= self.config.max_queue_len:
+            raise ProtocolError(ErrorCode.OVERLOADED, f"{queued} requests are queued; try again later")
         stream = c.get("stream", True)
         if not isinstance(stream, bool):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "stream must be true or false")
+        priority = c.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
         raw_params = c.get("params", {})
         if not isinstance(raw_params, dict) or set(raw_params) - _PARAM_FIELDS:
             unknown = sorted(set(raw_params) - _PARAM_FIELDS) if isinstance(raw_params, dict) else raw_params
@@ -354,18 +427,69 @@ class Server:
                                                       f"unknown: {unknown!r}")
         try:
             params = SamplingParams(**raw_params)
-            ids = self._tokenize(c)
-            self.engine.add_request(key, ids, params, owner=identity)
-        except PromptTooLongError as e:
-            raise ProtocolError(ErrorCode.TOO_LONG, str(e)) from None
         except (RequestError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
-        live = _Live(identity, rid, msg.msg_id, stream, len(ids), f"r{next(self._public_ids)}")
+        live = _Live(identity, rid, msg.msg_id, stream, 0, f"r{next(self._public_ids)}", params, priority)
+        live.encoding = self.encoder.submit(c)
+        live.encoding.add_done_callback(self._wake)
         self.live[key] = live
         if identity not in self._owners:
             self._owners[identity] = next(self._owner_numbers)
-        self._reply(identity, "accepted", {"request_id": rid, "prompt_tokens": len(ids), "id": live.public_id},
-                    msg.msg_id)
+
+    def _wake(self, _: Future[list[int]]) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # the pipe is full (the loop will look anyway) or closed (shutting down)
+
+    def _collect_encoded(self) -> None:
+        """Queue the requests whose prompts are encoded; answer the `tokenize`s that are done."""
+        try:
+            # NOTE: every finished encoding writes a byte after it is done, so no byte, nothing new.
+            if not os.read(self._wake_r, 65536):
+                return
+        except BlockingIOError:
+            return
+        for key, live in list(self.live.items()):
+            if live.encoding is None or not live.encoding.done():
+                continue
+            future, live.encoding = live.encoding, None
+            try:
+                ids = future.result()
+                self.engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority)
+            except ProtocolError as e:
+                self._refuse(key, e.code, str(e))
+                continue
+            except PromptTooLongError as e:
+                self._refuse(key, ErrorCode.TOO_LONG, str(e))
+                continue
+            except (RequestError, TypeError) as e:
+                self._refuse(key, ErrorCode.BAD_REQUEST, str(e))
+                continue
+            except Exception as e:  # a bug must cost one request, never the daemon
+                log.exception("failed to queue a request")
+                self._refuse(key, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+                continue
+            live.num_prompt_tokens = len(ids)
+            self._reply(live.identity, "accepted", {"request_id": live.request_id, "prompt_tokens": len(ids),
+                                                    "id": live.public_id}, live.parent)
+        pending = []
+        for future, identity, parent in self._encoding_replies:
+            if not future.done():
+                pending.append((future, identity, parent))
+                continue
+            try:
+                self._reply(identity, "tokens", {"token_ids": future.result()}, parent)
+            except ProtocolError as e:
+                self._error(identity, parent, e.code, str(e), None)
+            except Exception as e:
+                log.exception("failed to tokenize")
+                self._error(identity, parent, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", None)
+        self._encoding_replies = pending
+
+    def _refuse(self, key: str, code: str, message: str) -> None:
+        live = self.live.pop(key)
+        self._error(live.identity, live.parent, code, message, live.request_id)
 
     # ---- engine ----------------------------------------------------------------------------------
 
@@ -400,6 +524,8 @@ class Server:
         else:
             live.text.append(delta.text)
             live.token_ids.extend(delta.token_ids)
+            if delta.logprobs:
+                live.logprobs.extend([lp, [list(p) for p in top]] for lp, top in delta.logprobs)
         if delta.finished:
             self._finish(delta.request_id, delta, delta.finish_reason)
 
@@ -412,6 +538,8 @@ class Server:
         if not live.stream:
             content["text"] = "".join(live.text)
             content["token_ids"] = live.token_ids
+            if live.params.logprobs is not None:
+                content["logprobs"] = live.logprobs
         content["usage"] = {
             "prompt_tokens": live.num_prompt_tokens,
             "completion_tokens": m.num_generated_tokens if m else 0,
@@ -443,6 +571,7 @@ class Server:
         if keys:
             log.info("client %s went away; aborted %d request(s)", identity.hex(), len(keys))
         self.outbox.pop(identity, None)
+        self._unsent_deltas.pop(identity, None)
         self.last_sent.pop(identity, None)
 
     # ---- outgoing --------------------------------------------------------------------------------
@@ -458,15 +587,23 @@ class Server:
 
     def _queue(self, identity: bytes, item: tuple[str, dict, str]) -> None:
         box = self.outbox.setdefault(identity, deque())
-        if box and item[0] == "delta" and box[-1][0] == "delta" \
-                and box[-1][1]["request_id"] == item[1]["request_id"]:
-            # A slow reader: merge deltas of one request instead of growing the queue.
-            last = box[-1][1]
-            last["text"] += item[1]["text"]
-            last["token_ids"] = last["token_ids"] + item[1]["token_ids"]
-            if "logprobs" in item[1]:
-                last["logprobs"] = last.get("logprobs", []) + item[1]["logprobs"]
-            return
+        unsent = self._unsent_deltas.setdefault(identity, {})
+        msg_type, content, _ = item
+        if msg_type == "delta":
+            pending = unsent.get(content["request_id"])
+            if pending is not None:
+                # A slow reader: add to its request's delta still waiting here instead of queueing
+                # one more, so the queue holds at most one delta per request, whatever the token count.
+                pending["text"] += content["text"]
+                pending["token_ids"].extend(content["token_ids"])
+                if "logprobs" in content:
+                    pending.setdefault("logprobs", []).extend(content["logprobs"])
+                return
+            content = {**content, "token_ids": list(content["token_ids"])}
+            unsent[content["request_id"]] = content
+            item = (msg_type, content, item[2])
+        elif "request_id" in content:
+            unsent.pop(content["request_id"], None)  # its done or error: nothing may be added before it
         box.append(item)
 
     def _flush_outbox(self) -> None:
@@ -486,9 +623,12 @@ class Server:
                         break
                     raise
                 box.popleft()
+                if msg_type == "delta" and self._unsent_deltas.get(identity, {}).get(content["request_id"]) is content:
+                    del self._unsent_deltas[identity][content["request_id"]]
                 self.last_sent[identity] = now
             if identity in self.outbox and not self.outbox[identity]:
                 del self.outbox[identity]
+                self._unsent_deltas.pop(identity, None)
 
     def _keepalive(self) -> None:
         """Probe clients with requests in flight that we have not written to lately, so one that
@@ -544,6 +684,16 @@ class Server:
             self.pub.send_multipart([b"stats", *encode(self.key, "stats", content)], zmq.NOBLOCK)
         except zmq.Again:
             pass
+
+
+class _OneClientKey:
+    """The ZAP policy of the TCP sockets: admit the one CURVE client key of our connection file."""
+
+    def __init__(self, public_key: bytes) -> None:
+        self.public_key = public_key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.public_key)
 
 
 def _rss_bytes() -> int:

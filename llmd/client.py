@@ -25,13 +25,21 @@ import zmq.asyncio
 
 from llmd.errors import LlmdError
 from llmd.paths import read_connection_file, runtime_dir
-from llmd.protocol import REPLY_TYPES, Message, ProtocolError, decode, encode, new_msg_id
+from llmd.protocol import MAX_MESSAGE_BYTES, REPLY_TYPES, Message, ProtocolError, decode, encode, new_msg_id
 
 SILENCE_TIMEOUT_S = 15.0  # the daemon writes at least every second while a request is in flight
+# How often a waiting client checks that the daemon still exists: a dead daemon is noticed this
+# fast (its process gone, or the connection to it closed), a hung one only after the silence timeout.
+LIVENESS_CHECK_S = 0.25
 
 
 class DaemonNotRunningError(LlmdError):
-    """No daemon answers at the connection file."""
+    """No daemon answers at the connection file, or it died or stopped answering."""
+
+
+class MessageTooLargeError(LlmdError):
+    """A request too large for the wire (over 4 MiB in one frame); refused before sending, so the
+    connection and the client's other requests live on."""
 
 
 class ServerError(LlmdError):
@@ -61,6 +69,9 @@ class Result:
     timings: dict[str, Any] = field(default_factory=dict)
     # with params prompt_logprobs: per prompt token, None (the first) or [logprob, [[token, logprob], ...]]
     prompt_logprobs: list[Any] | None = None
+    # with params logprobs and stream=False: per output token, [logprob, [[token, logprob], ...]]
+    # (a stream carries them in its deltas instead)
+    logprobs: list[Any] | None = None
 
 
 def load_connection(socket_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -73,6 +84,94 @@ def load_connection(socket_dir: str | os.PathLike[str] | None = None) -> dict[st
     if info is None:
         raise DaemonNotRunningError("no llmd daemon is running; start one with `llmd start`")
     return info
+
+
+def _connect(sock: zmq.Socket, connection: dict[str, Any], endpoint: str) -> None:
+    """Connect to one of the daemon's endpoints; TCP ones need the CURVE keys of the connection file."""
+    address = connection[endpoint]
+    if address.startswith("tcp://"):
+        try:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, connection["curve_server_key"].encode())
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, connection["curve_public_key"].encode())
+            sock.setsockopt(zmq.CURVE_SECRETKEY, connection["curve_secret_key"].encode())
+        except (KeyError, AttributeError, zmq.ZMQError):
+            raise LlmdError("the connection file lacks valid CURVE keys for its TCP endpoint; copy the whole "
+                            "daemon.json of the running daemon") from None
+    sock.connect(address)
+
+
+class _Liveness:
+    """Tells a waiting client that its daemon is gone, within about LIVENESS_CHECK_S: the connection
+    closed after the awaited message was sent (the daemon died, or dropped this client), or, for a
+    local daemon, its process no longer exists."""
+
+    def __init__(self, sock: zmq.Socket, connection: dict[str, Any]) -> None:
+        self.connection = connection
+        self._sock = sock
+        # NOTE: a blocking monitor socket even for an asyncio ``sock``: it is only polled, never awaited.
+        address = f"inproc://llmd-monitor-{os.urandom(8).hex()}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        self._monitor = zmq.Context(shadow=sock.context.underlying).socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(address)
+        self._closings = 0  # connection closings seen so far
+        self._sent_at: dict[str, int] = {}  # route key -> closings seen when its message was sent
+
+    def sent(self, key: str) -> None:
+        self._refresh()
+        self._sent_at.setdefault(key, self._closings)
+
+    def ended(self, key: str) -> None:
+        self._sent_at.pop(key, None)
+
+    def why_gone(self, key: str) -> str | None:
+        self._refresh()
+        if self._closings > self._sent_at.get(key, self._closings):
+            return ("the connection to the llmd daemon closed (it stopped, or dropped this client); "
+                    "this request is lost")
+        pid = self.connection.get("pid")
+        if str(self.connection.get("requests", "")).startswith("ipc://") and isinstance(pid, int) \
+                and not _process_alive(pid):
+            return f"the llmd daemon (pid {pid}) has exited; start it again with `llmd start`"
+        return None
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+
+    def _refresh(self) -> None:
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+            self._closings += 1
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited, but kill(0) still finds it until its parent reaps it
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _silence_message(timeout: float, connection: dict[str, Any]) -> str:
+    pid = connection.get("pid")
+    hint = f" (pid {pid} exists but does not answer; `llmd stop --force` ends it)" if isinstance(pid, int) else ""
+    return f"the llmd daemon did not answer for {timeout:.0f}s{hint}"
+
+
+def _encode_checked(key: bytes, msg_type: str, content: dict[str, Any], msg_id: str) -> list[bytes]:
+    frames = encode(key, msg_type, content, msg_id=msg_id)
+    size = max(len(f) for f in frames)
+    if size > MAX_MESSAGE_BYTES:
+        raise MessageTooLargeError(f"this {msg_type} request is {size / 2**20:.1f} MiB, over the "
+                                   f"{MAX_MESSAGE_BYTES // 2**20} MiB a message can carry; send a shorter prompt")
+    return frames
 
 
 def _route_key(msg: Message) -> str:
@@ -98,11 +197,14 @@ def _accept(key: bytes, frames: list[bytes], discard: set[str]) -> tuple[str, Me
 
 
 def _generate_content(request_id: str, prompt: str | None, messages: list[dict[str, str]] | None,
-                      token_ids: list[int] | None, stream: bool, params: dict[str, Any]) -> dict[str, Any]:
+                      token_ids: list[int] | None, stream: bool, params: dict[str, Any], priority: int = 0
+                      ) -> dict[str, Any]:
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, messages, token_ids")
     content: dict[str, Any] = {"request_id": request_id, "stream": stream, "params": params}
+    if priority:
+        content["priority"] = priority
     if prompt is not None:
         content["prompt"] = prompt
     elif messages is not None:
@@ -112,13 +214,13 @@ def _generate_content(request_id: str, prompt: str | None, messages: list[dict[s
     return content
 
 
-def _stats_socket(ctx: zmq.Context, connection: dict[str, Any]) -> zmq.Socket:
+def _stats_socket(ctx: zmq.Context, connection: dict[str, Any], endpoint: str) -> zmq.Socket:
     # A small receive queue: stats are replaceable, a slow reader should see the newest.
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"stats")
     sub.setsockopt(zmq.RCVHWM, 4)
-    sub.connect(connection["stats"])
+    _connect(sub, connection, "tcp_stats" if endpoint == "tcp_requests" else "stats")
     return sub
 
 
@@ -139,7 +241,7 @@ def _check(msg: Message) -> Message:
 def _result(request_id: str, done: dict[str, Any], text: str = "", token_ids: list[int] | None = None) -> Result:
     return Result(request_id, done.get("text", text), done.get("token_ids", token_ids or []),
                   done.get("finish_reason"), done.get("usage", {}), done.get("timings", {}),
-                  done.get("prompt_logprobs"))
+                  done.get("prompt_logprobs"), done.get("logprobs"))
 
 
 class Stream:
@@ -183,16 +285,23 @@ class Client:
                  connection: dict[str, Any] | None = None, endpoint: str = "requests") -> None:
         self.connection = connection or load_connection(socket_dir)
         self.key = bytes.fromhex(self.connection["key"])
+        self.endpoint = endpoint
         self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(self.connection[endpoint])
+        self._liveness = _Liveness(self.socket, self.connection)
+        try:
+            _connect(self.socket, self.connection, endpoint)
+        except LlmdError:
+            self.close()
+            raise
         self._pending: dict[str, deque[Message]] = {}
         self._discard: set[str] = set()  # keys of requests we cancelled without waiting
         self._ids = itertools.count()
         self._prefix = os.urandom(3).hex()
 
     def close(self) -> None:
+        self._liveness.close()
         self.socket.close(0)
 
     def __enter__(self) -> Client:
@@ -206,21 +315,37 @@ class Client:
 
     def _send(self, msg_type: str, content: dict[str, Any]) -> str:
         msg_id = new_msg_id()
-        self.socket.send_multipart(encode(self.key, msg_type, content, msg_id=msg_id))
+        frames = _encode_checked(self.key, msg_type, content, msg_id)
+        rid = content.get("request_id")
+        self._liveness.sent(f"req:{rid}" if isinstance(rid, str) else f"msg:{msg_id}")
+        self.socket.send_multipart(frames)
         return msg_id
 
     def _wait(self, key: str, timeout: float = SILENCE_TIMEOUT_S) -> Message:
-        """The next message routed to ``key``, stashing the others; raises after ``timeout`` s of
-        silence from the daemon."""
+        """The next message routed to ``key``, stashing the others.
+
+        Raises:
+            DaemonNotRunningError: the daemon died or dropped the connection (noticed within about
+                LIVENESS_CHECK_S), or said nothing at all for ``timeout`` s.
+        """
+        silent_since = time.monotonic()
         while True:
             box = self._pending.get(key)
             if box:
                 msg = box.popleft()
                 if not box:
                     del self._pending[key]  # no key outlives its messages
+                if key.startswith("msg:") or msg.type in ("done", "error"):
+                    self._liveness.ended(key)
                 return msg
-            if not self.socket.poll(int(timeout * 1000)):
-                raise DaemonNotRunningError(f"the llmd daemon did not answer for {timeout:.0f}s")
+            if not self.socket.poll(int(LIVENESS_CHECK_S * 1000)):
+                if (why := self._liveness.why_gone(key)) is not None:
+                    self._liveness.ended(key)
+                    raise DaemonNotRunningError(why)
+                if time.monotonic() - silent_since > timeout:
+                    raise DaemonNotRunningError(_silence_message(timeout, self.connection))
+                continue
+            silent_since = time.monotonic()
             routed = _accept(self.key, self.socket.recv_multipart(), self._discard)
             if routed is not None:
                 self._pending.setdefault(routed[0], deque()).append(routed[1])
@@ -248,8 +373,9 @@ class Client:
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
-                 **params: Any) -> Stream | Result:
-        """Start a request. ``params`` are sampling parameters (``max_tokens``, ``temperature``...).
+                 priority: int = 0, **params: Any) -> Stream | Result:
+        """Start a request. ``params`` are sampling parameters (``max_tokens``, ``temperature``...);
+        ``priority`` (-10..10, higher first) puts it ahead of this daemon's lower-priority work.
 
         Returns:
             With ``stream`` a :class:`Stream` of :class:`Delta` (its ``result`` set at the end),
@@ -259,7 +385,7 @@ class Client:
             ServerError: the daemon refused the request (bad_request, too_long, overloaded...).
         """
         rid = request_id or self._new_request_id()
-        self._send("generate", _generate_content(rid, prompt, messages, token_ids, stream, params))
+        self._send("generate", _generate_content(rid, prompt, messages, token_ids, stream, params, priority))
         _check(self._wait(f"req:{rid}"))  # accepted, or the refusal
         if stream:
             return Stream(self, rid)
@@ -284,15 +410,16 @@ class Client:
                 if msg.type == "done":
                     return
         self._pending.pop(f"req:{request_id}", None)
+        self._liveness.ended(f"req:{request_id}")
         self._discard.add(f"req:{request_id}")  # its last deltas and done are still on the way
 
     def subscribe_stats(self, timeout: float = SILENCE_TIMEOUT_S) -> Iterator[dict[str, Any]]:
         """Yield the daemon's stats as it publishes them (a few times a second)."""
-        sub = _stats_socket(self.ctx, self.connection)
+        sub = _stats_socket(self.ctx, self.connection, self.endpoint)
         try:
             while True:
                 if not sub.poll(int(timeout * 1000)):
-                    raise DaemonNotRunningError("the llmd daemon stopped publishing stats")
+                    raise DaemonNotRunningError(_silence_message(timeout, self.connection))
                 stats = _stats_content(self.key, sub.recv_multipart())
                 if stats is not None:
                     yield stats
@@ -307,10 +434,17 @@ class AsyncClient:
                  connection: dict[str, Any] | None = None, endpoint: str = "requests") -> None:
         self.connection = connection or load_connection(socket_dir)
         self.key = bytes.fromhex(self.connection["key"])
+        self.endpoint = endpoint
         self.ctx = zmq.asyncio.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(self.connection[endpoint])
+        self._liveness = _Liveness(self.socket, self.connection)
+        try:
+            _connect(self.socket, self.connection, endpoint)
+        except LlmdError:
+            self._liveness.close()
+            self.socket.close(0)
+            raise
         self._queues: dict[str, asyncio.Queue[Message]] = {}
         self._discard: set[str] = set()
         self._reader: asyncio.Task[None] | None = None
@@ -321,6 +455,7 @@ class AsyncClient:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        self._liveness.close()
         self.socket.close(0)
 
     async def __aenter__(self) -> AsyncClient:
@@ -344,17 +479,27 @@ class AsyncClient:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_forever())
         msg_id = new_msg_id()
-        await self.socket.send_multipart(encode(self.key, msg_type, content, msg_id=msg_id))
+        frames = _encode_checked(self.key, msg_type, content, msg_id)
+        rid = content.get("request_id")
+        self._liveness.sent(f"req:{rid}" if isinstance(rid, str) else f"msg:{msg_id}")
+        await self.socket.send_multipart(frames)
         return msg_id
 
     async def _wait(self, key: str, timeout: float = SILENCE_TIMEOUT_S) -> Message:
+        """As :meth:`Client._wait`."""
         queue = self._queue(key)
         while True:
             try:
-                return await asyncio.wait_for(queue.get(), timeout=1.0)
+                msg = await asyncio.wait_for(queue.get(), timeout=LIVENESS_CHECK_S)
+                if key.startswith("msg:") or msg.type in ("done", "error"):
+                    self._liveness.ended(key)
+                return msg
             except asyncio.TimeoutError:
+                if (why := self._liveness.why_gone(key)) is not None:
+                    self._liveness.ended(key)
+                    raise DaemonNotRunningError(why) from None
                 if time.monotonic() - self._last_heard > timeout:
-                    raise DaemonNotRunningError(f"the llmd daemon did not answer for {timeout:.0f}s") from None
+                    raise DaemonNotRunningError(_silence_message(timeout, self.connection)) from None
 
     async def _call(self, msg_type: str, content: dict[str, Any] | None = None) -> dict[str, Any]:
         self._last_heard = time.monotonic()
@@ -375,14 +520,14 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                        token_ids: list[int] | None = None, request_id: str | None = None,
-                       on_accepted: Callable[[dict[str, Any]], None] | None = None,
+                       on_accepted: Callable[[dict[str, Any]], None] | None = None, priority: int = 0,
                        **params: Any) -> AsyncIterator[Delta | Result]:
         """Async iterator of :class:`Delta`, ending with one :class:`Result`. Leaving early cancels
         (close the iterator, ``aclose()``, to cancel at once). ``on_accepted`` gets the daemon's
         ``accepted`` reply (its ``id`` names the request in the published stats)."""
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
         self._last_heard = time.monotonic()
-        await self._send("generate", _generate_content(rid, prompt, messages, token_ids, True, params))
+        await self._send("generate", _generate_content(rid, prompt, messages, token_ids, True, params, priority))
         key = f"req:{rid}"
         ended = False  # the daemon sent this request's done or error: nothing to cancel
         text: list[str] = []
@@ -416,6 +561,7 @@ class AsyncClient:
                 except zmq.ZMQError:
                     pass  # the client is closing
             self._queues.pop(key, None)
+            self._liveness.ended(key)
 
     def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> AsyncIterator[Delta | Result]:
         return self.generate(messages=messages, **kwargs)
@@ -424,7 +570,7 @@ class AsyncClient:
         await self._send("cancel", {"request_id": request_id})
 
     async def subscribe_stats(self) -> AsyncIterator[dict[str, Any]]:
-        sub = _stats_socket(self.ctx, self.connection)
+        sub = _stats_socket(self.ctx, self.connection, self.endpoint)
         try:
             while True:
                 stats = _stats_content(self.key, await sub.recv_multipart())
@@ -434,5 +580,5 @@ class AsyncClient:
             sub.close(0)
 
 
-__all__ = ["AsyncClient", "Client", "DaemonNotRunningError", "Delta", "Result", "ServerError", "Stream",
-           "load_connection"]
+__all__ = ["AsyncClient", "Client", "DaemonNotRunningError", "Delta", "MessageTooLargeError", "Result",
+           "ServerError", "Stream", "load_connection"]

@@ -159,8 +159,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("socket_dir", None, _path,
            "runtime directory for sockets and the connection file (default: $XDG_RUNTIME_DIR/llmd or "
            "/tmp/llmd-UID)", "DIR", "(per user)"),
-    Option("tcp", None, _tcp, "also serve on TCP HOST:PORT (loopback unless you name another address; "
-                              "always signed)", "HOST:PORT", "(off)"),
+    Option("tcp", None, _tcp, "also serve on TCP HOST:PORT (requests on PORT, stats on PORT+1; CURVE-encrypted "
+                              "and signed; loopback only unless --allow-remote)", "HOST:PORT", "(off)"),
+    Option("allow_remote", False, _bool, "let --tcp bind an address other machines can reach"),
     Option("models_dir", None, _path, "where `llmd models` looks for .gguf files (default: "
                                       "$XDG_DATA_HOME/llmd/models)", "DIR", "(per user)"),
 )}

@@ -14,6 +14,7 @@ import hmac
 import itertools
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,11 @@ VERSION = 1
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # ZMQ MAXMSGSIZE: a larger frame drops the connection
 MAX_ID_CHARS = 64
 MAX_PROMPT_CHARS = 1_000_000
+MAX_FRAMES = 8  # more than any message has (4, plus the identity and the stats topic); the rest is dropped
+# Requests must carry a header ``ts`` within this many seconds of the daemon's clock, and a signed
+# message is accepted once within that window: a captured message cannot be replayed later, nor
+# again now (the daemon remembers the signatures it saw for as long as they would be accepted).
+REPLAY_WINDOW_S = 60.0
 
 REQUEST_TYPES = ("generate", "cancel", "stats", "info", "tokenize", "health", "ping", "shutdown")
 REPLY_TYPES = ("accepted", "delta", "done", "error", "stats", "info", "tokens", "health", "pong", "shutdown",
@@ -126,6 +132,38 @@ def decode(key: bytes, frames: list[bytes], allowed_types: tuple[str, ...]) -> M
         e.msg_id = msg_id
         raise
     return Message(msg_type, header, content)
+
+
+class ReplayGuard:
+    """Accepts each signed message once, and only while its timestamp is fresh.
+
+    Only messages whose signature checked out reach it, so only the key's holders can fill it: its
+    size is bounded by the legitimate traffic of one window.
+    """
+
+    def __init__(self, window_s: float = REPLAY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._seen: set[bytes] = set()
+        self._expiry: deque[tuple[float, bytes]] = deque()
+
+    def check(self, msg: Message, signature: bytes, now: float | None = None) -> None:
+        """Raises:
+            SignatureError: the signature was seen in the window (a replay: dropped, never answered).
+            ProtocolError: ``ts`` is missing or outside the window (answered: an honest sender with
+                a wrong clock learns why).
+        """
+        now = time.time() if now is None else now
+        while self._expiry and self._expiry[0][0] < now:
+            self._seen.discard(self._expiry.popleft()[1])
+        if signature in self._seen:
+            raise SignatureError(ErrorCode.BAD_REQUEST, "replayed message")
+        ts = msg.header.get("ts")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not abs(now - ts) <= self.window_s:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"header.ts must be the sender's Unix time, within "
+                                                      f"{self.window_s:.0f}s of the daemon's clock", msg.msg_id)
+        self._seen.add(signature)
+        # NOTE: remembered until its ts leaves the window on either side: after that, ts refuses it.
+        self._expiry.append((max(now, float(ts)) + self.window_s, signature))
 
 
 def _unpack(data: bytes, what: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import sys
+import time
 
 import msgpack
 import zmq
@@ -23,7 +24,7 @@ sub.connect(conn["stats"])
 
 
 def send(msg_type, content, msg_id):
-    h = msgpack.packb({"v": 1, "id": msg_id, "type": msg_type})
+    h = msgpack.packb({"v": 1, "id": msg_id, "type": msg_type, "ts": time.time()})
     c = msgpack.packb(content)
     sock.send_multipart([b"llmd/1", hmac.new(key, h + c, hashlib.sha256).hexdigest().encode(), h, c])
 

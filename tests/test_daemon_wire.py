@@ -55,7 +55,7 @@ class Raw:
         self.sock.send_multipart(frames)
 
     def send(self, msg_type: str, content: object, msg_id: str = "m1") -> None:
-        h = msgpack.packb({"v": 1, "id": msg_id, "type": msg_type})
+        h = msgpack.packb({"v": 1, "id": msg_id, "type": msg_type, "ts": time.time()})
         c = msgpack.packb(content)
         self.send_frames([PROTOCOL, sign(self.key, h, c), h, c])
 
@@ -140,7 +140,7 @@ def test_signed_but_malformed_messages_get_typed_errors(daemon) -> None:
     raw = Raw(conn)
     key = raw.key
     for content in (b"\xa2\xff\xfe", b"\xc1", msgpack.packb([1, 2])):  # invalid UTF-8, reserved byte, not a map
-        h = msgpack.packb({"v": 1, "id": "mal", "type": "health"})
+        h = msgpack.packb({"v": 1, "id": "mal", "type": "health", "ts": time.time()})
         raw.send_frames([PROTOCOL, sign(key, h, content), h, content])
         msg = raw.recv()
         assert msg is not None and msg.type == "error" and msg.content["code"] == "bad_request"

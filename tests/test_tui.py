@@ -12,7 +12,7 @@ from fake_chat_client import FakeClient, request_row, stats_message
 
 from llmd.client import ServerError
 from llmd.daemon.engine.live_view import BLOCK_CACHED, BLOCK_FIRST_OWNER
-from llmd.tui.app import ChatApp
+from llmd.tui.app import INTERACTIVE_PRIORITY, ChatApp
 from llmd.tui.chat_view import ChatMessage, PromptInput
 from llmd.tui.conversation import ChatSettings, Conversation, ConversationStore
 from llmd.tui.kv_map import OWN, KVMap, cell_style
@@ -54,6 +54,7 @@ async def test_send_streams_the_answer_and_saves(tmp_path: Path) -> None:
         sent = client.requests[0]
         assert sent["messages"] == [{"role": "user", "content": "What is the capital of France?"}]  # no system prompt
         assert sent["params"] == ChatSettings().params()
+        assert sent["priority"] == INTERACTIVE_PRIORITY > 0  # a person waits: ahead of batch clients
         saved = ConversationStore(tmp_path / "chats").list()
         assert len(saved) == 1 and saved[0].messages[-1]["content"] == "Paris is the **capital** of France."
         await pilot.press("f3")  # copy the last answer

@@ -26,6 +26,7 @@ from llmd.tui.conversation import Conversation, ConversationStore
 from llmd.tui.dashboard import Dashboard
 from llmd.tui.screens import ChatsScreen, HelpScreen, SettingsScreen
 
+INTERACTIVE_PRIORITY = 5  # the chat UI's requests: a person is waiting (protocol `priority`)
 WIDE = 120  # columns from which the dashboard sits beside the chat; below, F2 swaps them
 STATS_SILENCE_S = 3.0  # the daemon publishes stats 4 times a second, busy or idle
 
@@ -144,7 +145,9 @@ class ChatApp(App[None]):
         stream = None
         text: list[str] = []
         status = ""
+        # NOTE: someone is watching this one: ahead of batch work from other clients (INTERACTIVE_PRIORITY).
         request = self.client.chat(conversation.request_messages(), **conversation.settings.params(),
+                                   priority=INTERACTIVE_PRIORITY,
                                    on_accepted=lambda reply: self.own_ids.add(str(reply.get("id"))))
         chat.set_status("writing… (Escape stops)")
         try:

@@ -1,0 +1,103 @@
+"""Prompts to token ids, off the daemon's loop thread.
+
+Tokenising a large prompt or rendering a chat template takes up to a second of CPU; on the loop
+thread that second would freeze every other client's stream (a probe froze it for 19 s with five
+1M-character prompts). So requests are encoded on a worker thread (the tokenizers library releases
+the GIL while it encodes), and the server picks the results up when they are done.
+
+Before any tokenising, a prompt whose UTF-8 size alone proves it cannot fit is refused: no token of
+the vocabulary stands for more than ``max_token_bytes`` bytes of text, so a prompt of more than
+``max_request_tokens * max_token_bytes`` bytes needs more tokens than the context holds. The check
+is exact in that direction only (it never refuses a prompt that fits), and it bounds the work one
+request can cost the worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from llmd.protocol import ErrorCode, ProtocolError, parse_messages, parse_prompt, parse_token_ids
+
+# NOTE: a normaliser (NFKC...) can shrink text before tokenising (a 4-byte character becoming one
+# byte at worst), so for such tokenizers the byte bound is scaled by that much.
+_NORMALISER_SHRINK = 4
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes of text any one token stands for (an upper bound)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False)
+    most = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        most *= _NORMALISER_SHRINK
+    return max(1, most)
+
+
+class PromptEncoder:
+    """Encodes ``generate`` and ``tokenize`` contents (exactly one of ``prompt``, ``messages``,
+    ``token_ids``) on one worker thread.
+
+    Args:
+        tokenizer: the model's transformers tokenizer.
+        max_request_tokens: the most tokens one request can hold (context and KV pool).
+    """
+
+    def __init__(self, tokenizer: Any, max_request_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_request_tokens = max_request_tokens
+        self._max_bytes: int | None = None  # found on the worker, at the first request
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmd-encode")
+
+    def submit(self, content: dict[str, Any]) -> Future[list[int]]:
+        """Start encoding; the future's result is the token ids, or it raises :class:`ProtocolError`
+        (``bad_request`` for a malformed prompt or refused template, ``too_long`` when the prompt
+        cannot fit)."""
+        return self._pool.submit(self.encode, content)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Beyond this many bytes of UTF-8 a prompt cannot fit (see the module's docstring)."""
+        with self._lock:
+            if self._max_bytes is None:
+                self._max_bytes = self.max_request_tokens * max_token_bytes(self.tokenizer)
+            return self._max_bytes
+
+    def encode(self, content: dict[str, Any]) -> list[int]:
+        """The token ids of a request's prompt (synchronously; :meth:`submit` runs this)."""
+        sources = [k for k in ("prompt", "messages", "token_ids") if k in content]
+        if len(sources) != 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "give exactly one of prompt, messages, token_ids")
+        if "token_ids" in content:
+            value = content["token_ids"]
+            if isinstance(value, list) and len(value) > self.max_request_tokens:
+                raise self._too_long(f"{len(value)} token ids")
+            return parse_token_ids(value)
+        if "messages" in content:
+            messages = parse_messages(content["messages"])
+            self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages))
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "this model has no chat template; send a prompt")
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+            except Exception as e:  # templates raise on e.g. roles that do not alternate
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"the chat template refused these messages: {e}") from None
+            return [int(t) for t in ids]
+        prompt = parse_prompt(content["prompt"])
+        self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
+        return [int(t) for t in self.tokenizer.encode(prompt)]
+
+    def _check_bytes(self, num_bytes: int) -> None:
+        if num_bytes > self.max_prompt_bytes:
+            raise self._too_long(f"{num_bytes} bytes of text")
+
+    def _too_long(self, what: str) -> ProtocolError:
+        return ProtocolError(ErrorCode.TOO_LONG, f"the prompt ({what}) cannot fit: this model holds at most "
+                                                 f"{self.max_request_tokens} tokens per request; shorten it")
