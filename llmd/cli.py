@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import sys
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from llmd import __version__, service
 from llmd.errors import LlmdError
 from llmd.kernels import cpu_profile
+from llmd.protocol import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS
 from llmd.quant import QUANT_SCHEMES
 
 if TYPE_CHECKING:
@@ -29,34 +31,64 @@ QUANT_HELP = ("how the projections are held: auto keeps a GGUF's own Q4_0/Q4_1/Q
 GROUP_HELP = "int4/int8 group size (int4 default 32; int8 default per channel)"
 
 
-def _non_negative_float(text: str) -> float:
+# NOTE: msgpack carries signed 64-bit integers at most; a larger one fails while the request is
+# being encoded, so every integer flag is bounded here, where argparse can say so in one line.
+MAX_WIRE_INT = 2**63 - 1  # also SamplingParams' bound for seed: [0, 2**63)
+# Upper bounds for `llmd start`'s integer settings (llmd.config.OPTIONS), beyond which the daemon
+# loads the model and then fails allocating (a traceback) or answers `info` with an integer msgpack
+# cannot carry. Each is far beyond any real use.
+SETTING_MAXIMA = {
+    "kv_cache_mb": 2**24,  # 16 TiB
+    "block_size": 1024,
+    "max_num_seqs": 4096,  # per-row decode buffers and block tables are sized by it
+    "max_batched_tokens": 2**20,  # more than the longest prompt the protocol takes (MAX_PROMPT_CHARS)
+    "max_queue_len": 1_000_000,
+}
+# A prompt's UTF-8 bytes leave 64 KiB of a message (MAX_MESSAGE_BYTES) for the rest of it: ids,
+# sampling parameters, msgpack framing.
+MAX_PROMPT_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
+
+
+def _float_where(text: str, expected: str, ok: Callable[[float], bool]) -> float:
+    """``text`` as a finite float that passes ``ok``, else a usage error saying ``expected``."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    if not math.isfinite(value) or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
+def _non_negative_float(text: str) -> float:
+    return _float_where(text, "a finite number >= 0", lambda v: v >= 0)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
+def _positive_float(text: str) -> float:
+    return _float_where(text, "a finite number > 0", lambda v: v > 0)
+
+
+def _probability(text: str) -> float:
+    return _float_where(text, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def _int_in(low: int, high: int, high_text: str | None = None) -> Callable[[str], int]:
+    """An argparse type for whole numbers in [low, high]: a value outside is a usage error (exit 2)."""
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number from {low} to {high_text or high}, got {text!r}")
+        return value
+    return convert
+
+
+_non_negative_int = _int_in(0, MAX_WIRE_INT, "2**63-1")
+_positive_int = _int_in(1, MAX_WIRE_INT, "2**63-1")
+_prompt_tokens = _int_in(1, MAX_PROMPT_CHARS)  # token ids go as a list the protocol caps at this length
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,17 +108,20 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         if option.choices:
             kwargs["choices"] = option.choices
         else:
-            kwargs["type"] = _flag_type(option.parse, option.name)
+            kwargs["type"] = _flag_type(option.parse, option.name, SETTING_MAXIMA.get(option.name))
         names = [option.flag, "-m"] if option.name == "model" else [option.flag]
         parser.add_argument(*names, **kwargs)
 
 
-def _flag_type(parse: Callable[[str], object], name: str) -> Callable[[str], object]:
+def _flag_type(parse: Callable[[str], object], name: str, maximum: int | None = None) -> Callable[[str], object]:
     def convert(text: str) -> object:
         try:
-            return parse(text)
+            value = parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"expected {e}, got {text!r}") from None
+        if maximum is not None and isinstance(value, int) and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected at most {maximum}, got {text!r}")
+        return value
     convert.__name__ = name  # argparse names the type in its messages
     return convert
 
@@ -122,10 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop after this many new tokens (default: 256)")
     gen.add_argument("--temperature", "-t", type=_non_negative_float, default=0.7,
                      help="sampling temperature; 0 is greedy (default: 0.7)")
-    gen.add_argument("--top-k", type=int, default=40, help="sample from the K likeliest tokens; 0 for all (default: 40)")
-    gen.add_argument("--top-p", type=float, default=0.9,
+    gen.add_argument("--top-k", type=_non_negative_int, default=40,
+                     help="sample from the K likeliest tokens; 0 for all (default: 40)")
+    gen.add_argument("--top-p", type=_probability, default=0.9,
                      help="sample from the smallest set of tokens whose probability reaches P (default: 0.9)")
-    gen.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    gen.add_argument("--seed", type=_non_negative_int, default=None,
+                     help="random seed for reproducible sampling, 0 to 2**63-1")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="apply the model's chat template (the default for chat models)")
@@ -159,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = sub.add_parser("stop", help="stop the daemon (in-flight requests finish first)")
     stop.add_argument("--socket-dir", default=None)
-    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit (default: 60)")
+    stop.add_argument("--timeout", type=_non_negative_float, default=60.0, help="seconds to wait for it to exit (default: 60)")
     stop.set_defaults(func=cmd_stop)
 
     chat = sub.add_parser("chat", help="chat with the daemon in a terminal UI, next to a live view of the engine",
@@ -178,21 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="streams: N at once; prefix: a shared system prompt + distinct questions; "
                             "poisson: random arrivals at --rate (default: streams)")
     bench.add_argument("--streams", "-n", type=_positive_int, default=16, help="concurrent requests (default: 16)")
-    bench.add_argument("--prompt-tokens", type=_positive_int, default=128, help="prompt length (default: 128)")
+    bench.add_argument("--prompt-tokens", type=_prompt_tokens, default=128, help="prompt length (default: 128)")
     bench.add_argument("--output-tokens", type=_positive_int, default=128, help="output length (default: 128)")
-    bench.add_argument("--prefix-tokens", type=_positive_int, default=1000,
+    bench.add_argument("--prefix-tokens", type=_prompt_tokens, default=1000,
                        help="shared system prompt of the prefix workload (default: 1000)")
-    bench.add_argument("--rate", type=float, default=4.0, help="poisson: requests per second (default: 4)")
+    bench.add_argument("--rate", type=_positive_float, default=4.0, help="poisson: requests per second (default: 4)")
     bench.add_argument("--requests", type=_positive_int, default=32, help="poisson: how many (default: 32)")
-    bench.add_argument("--seed", type=int, default=None,
+    bench.add_argument("--seed", type=_non_negative_int, default=None,
                        help="repeat a run's prompts and arrivals (default: new ones each run, so an earlier run's "
                             "prompts do not hit the prefix cache)")
     bench.add_argument("--perplexity", default=None, metavar="FILE",
                        help="instead of a load: the model's perplexity on a UTF-8 text file (prompt log-probabilities)")
-    bench.add_argument("--window", type=_positive_int, default=None,
+    bench.add_argument("--window", type=_int_in(2, MAX_PROMPT_CHARS), default=None,
                        help="--perplexity: tokens scored per request (default: 1024)")
-    bench.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="goodput: time to first token")
-    bench.add_argument("--slo-itl", type=float, default=None, metavar="S", help="goodput: largest inter-token gap")
+    bench.add_argument("--slo-ttft", type=_positive_float, default=None, metavar="S",
+                       help="goodput: time to first token")
+    bench.add_argument("--slo-itl", type=_positive_float, default=None, metavar="S",
+                       help="goodput: largest inter-token gap")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="also draw the latency distributions and throughput over time (needs matplotlib)")
@@ -246,7 +285,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     _check_quant(settings["quant"], settings["group_size"])
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_prompt(args.prompt)
     try:
         connection = load_connection(settings["socket_dir"])
     except DaemonNotRunningError:
@@ -264,6 +303,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                        "(`llmd start` keeps it loaded for every request)")
         return _generate_in_process(args, settings, prompt)
     return _generate_with_daemon(args, prompt, connection)
+
+
+NOT_UTF8_FIX = "llmd takes UTF-8 text: convert it first, e.g. `iconv -f LATIN1 -t UTF-8`"
+
+
+def _read_prompt(arg: str) -> str:
+    """The prompt from argv, or from stdin for ``-``, refused here in one line when it is not valid
+    UTF-8 or larger than the protocol takes (MAX_PROMPT_CHARS, one message of MAX_MESSAGE_BYTES).
+
+    NOTE: the same limits apply without a daemon, so a prompt does not change from accepted to
+    refused when one starts. Refused before anything is sent: the daemon drops an oversized
+    message with the connection, and the client would only see 15 s of silence.
+    """
+    if arg != "-":
+        prompt = arg
+    elif (stdin_bytes := getattr(sys.stdin, "buffer", None)) is not None:
+        data = stdin_bytes.read(MAX_PROMPT_BYTES + 1)  # no need to read more to know it is too long
+        if len(data) > MAX_PROMPT_BYTES:
+            raise LlmdError(f"the prompt on stdin is over {MAX_PROMPT_BYTES:,} bytes; one request to llmd "
+                            f"carries at most {MAX_PROMPT_CHARS:,} characters in a {MAX_MESSAGE_BYTES // 2**20} "
+                            "MiB message: shorten it")
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LlmdError(f"the prompt on stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset "
+                            f"{e.start}); {NOT_UTF8_FIX}") from None
+    else:  # a text stream without bytes underneath (tests, embedding)
+        prompt = sys.stdin.read()
+    try:
+        size = len(prompt.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        # Python hands over argv bytes that are not valid UTF-8 as lone surrogates (surrogateescape).
+        bad = prompt[e.start]
+        shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise LlmdError(f"the prompt is not valid UTF-8 ({shown} at character {e.start}); {NOT_UTF8_FIX}") from None
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise LlmdError(f"the prompt has {len(prompt):,} characters; llmd takes at most {MAX_PROMPT_CHARS:,} "
+                        "per request: shorten it")
+    if size > MAX_PROMPT_BYTES:
+        raise LlmdError(f"the prompt is {size:,} bytes as UTF-8; one request to llmd carries at most "
+                        f"{MAX_PROMPT_BYTES:,}: shorten it")
+    return prompt
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
