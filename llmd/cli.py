@@ -48,6 +48,13 @@ SETTING_MAXIMA = {
 # sampling parameters, msgpack framing.
 MAX_PROMPT_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
 
+# `llmd status` exit codes, after the LSB init-script ones: 3 "not running", 4 "status unknown".
+STATUS_RUNNING, STATUS_NOT_RUNNING, STATUS_NOT_ANSWERING = 0, 3, 4
+STATUS_ANSWER_TIMEOUT_S = 5.0  # the daemon answers between engine steps, which take well under a second
+STOP_TIMEOUT_S = 60.0
+FORCE_STOP_TIMEOUT_S = 15.0  # SIGTERM lets in-flight requests finish for up to 10 s (the daemon's drain)
+KILL_WAIT_S = 10.0
+
 
 def _float_where(text: str, expected: str, ok: Callable[[float], bool]) -> float:
     """``text`` as a finite float that passes ``ok``, else a usage error saying ``expected``."""
@@ -194,9 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub.add_parser("path", help="print where the config file is (or would be)").set_defaults(
         func=cmd_config_path)
 
-    stop = sub.add_parser("stop", help="stop the daemon (in-flight requests finish first)")
+    stop = sub.add_parser("stop", help="stop the daemon (in-flight requests finish first)",
+                          description="Ask the daemon to stop: it refuses new requests, lets the running ones finish "
+                                      "(up to 10 s, then cancels them) and exits. --force also ends a daemon that "
+                                      "does not answer or does not exit in time.")
     stop.add_argument("--socket-dir", default=None)
-    stop.add_argument("--timeout", type=_non_negative_float, default=60.0, help="seconds to wait for it to exit (default: 60)")
+    stop.add_argument("--timeout", type=_non_negative_float, default=None, metavar="S",
+                      help=f"seconds to wait for it to exit (default: {STOP_TIMEOUT_S:g}; with --force "
+                           f"{FORCE_STOP_TIMEOUT_S:g}, then SIGKILL)")
+    stop.add_argument("--force", action="store_true",
+                      help="signal it instead of asking (SIGTERM, and SIGCONT in case it is stopped), SIGKILL it if "
+                           "it has not exited within --timeout, and remove the files it left; without a daemon, "
+                           "remove the files a dead one left")
     stop.set_defaults(func=cmd_stop)
 
     chat = sub.add_parser("chat", help="chat with the daemon in a terminal UI, next to a live view of the engine",
@@ -264,7 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--socket-dir", default=None)
     logs.set_defaults(func=cmd_logs)
 
-    status = sub.add_parser("status", help="is the daemon running, and how busy is it")
+    status = sub.add_parser(
+        "status", help="is the daemon running, and how busy is it",
+        description="Whether the daemon runs and answers; if it does, its model, KV cache and load.",
+        epilog=f"exit status: {STATUS_RUNNING} running and answering; {STATUS_NOT_RUNNING} not running; "
+               f"{STATUS_NOT_ANSWERING} running but no answer within {STATUS_ANSWER_TIMEOUT_S:g}s (hung or "
+               "stopped: `llmd stop --force` ends it); 1 any other error")
     status.add_argument("--socket-dir", default=None)
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)
@@ -628,25 +649,154 @@ def _weight_memory_line(info: dict) -> str:
                      if isinstance(v, (int, float)))
 
 
-def cmd_stop(args: argparse.Namespace) -> int:
+def _lock_held(run_dir: Path) -> bool | None:
+    """Whether a process holds the daemon's lock in ``run_dir``; None when that cannot be told.
+
+    NOTE: a daemon holds an flock on the lock file for its whole life and the kernel drops it when
+    the process ends, zombie or not. A free lock means the pid in daemon.json, though alive, is not
+    the daemon (it died without cleaning up and the pid was reused), or the daemon has ended but
+    is not yet reaped. Probing takes the lock for an instant: a daemon starting in that instant
+    would be refused as "already running".
+    """
+    import fcntl
+
+    from llmd.paths import LOCK_FILE
+
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing also drops a lock we took
+    return False
+
+
+def _running_daemon(run_dir: Path) -> dict[str, Any] | None:
+    """The connection info of the daemon running in ``run_dir``, whether it answers or not; None
+    if there is none."""
+    from llmd.paths import read_connection_file
+
+    info = read_connection_file(run_dir)
+    if info is not None and _lock_held(run_dir) is False:
+        return None
+    return info
+
+
+def _process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R, S, T stopped, Z zombie...); None where there is
+    no /proc (macOS) or no such process."""
+    try:  # the state follows the parenthesised command name, which may itself hold ")"
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _exited(pid: int, run_dir: Path) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return True  # the pid is another user's process now
+    # NOTE: a zombie (ended, not yet reaped by its parent) still answers kill(pid, 0). Without /proc
+    # the lock tells: the kernel dropped it when the process ended.
+    state = _process_state(pid)
+    return state == "Z" if state is not None else _lock_held(run_dir) is False
+
+
+def _wait_exit(pid: int, run_dir: Path, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the daemon ``pid`` to end; whether it did."""
     import time
 
-    from llmd.client import Client, load_connection
-
-    connection = load_connection(args.socket_dir)
-    pid = int(connection["pid"])
-    with Client(connection=connection) as client:
-        client.shutdown()
-    deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            print(f"llmd: stopped (pid {pid})")
-            return 0
+    deadline = time.monotonic() + timeout
+    while not _exited(pid, run_dir):
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.1)
-    raise LlmdError(f"the daemon (pid {pid}) is still running after {args.timeout:.0f}s; "
-                    f"`kill {pid}` ends it (in-flight requests are then cancelled)")
+    return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # it ended meanwhile
+    except PermissionError:
+        raise LlmdError(f"pid {pid} belongs to another user, so it is not your llmd daemon") from None
+
+
+def _remove_leftovers(run_dir: Path) -> bool:
+    """Remove the connection file and sockets a dead daemon left in ``run_dir``; whether there
+    were any (none are touched if a daemon holds the lock again)."""
+    from llmd.daemon.runtime_files import AlreadyRunningError, RuntimeFiles
+    from llmd.paths import CONNECTION_FILE
+
+    if not any(os.path.lexists(p) for p in (run_dir / CONNECTION_FILE, *run_dir.glob("*.sock"))):
+        return False
+    files = RuntimeFiles(run_dir)
+    try:
+        files.acquire()  # takes the dead daemon's lock and deletes what it left
+    except AlreadyRunningError:
+        return False  # a new daemon started meanwhile: its files are not leftovers
+    files.release()
+    return True
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from llmd.client import SILENCE_TIMEOUT_S, Client, DaemonNotRunningError
+    from llmd.paths import runtime_dir
+
+    run_dir = runtime_dir(args.socket_dir, create=False)
+    connection = _running_daemon(run_dir)
+    if connection is None:
+        if args.force and run_dir.is_dir() and _remove_leftovers(run_dir):
+            print(f"llmd: not running; removed the files a dead daemon left in {run_dir}")
+            return 0
+        raise DaemonNotRunningError("no llmd daemon is running; start one with `llmd start`")
+    pid = int(connection["pid"])
+    if args.force:
+        return _force_stop(pid, run_dir, FORCE_STOP_TIMEOUT_S if args.timeout is None else args.timeout)
+    timeout = STOP_TIMEOUT_S if args.timeout is None else args.timeout
+    try:
+        with Client(connection=connection) as client:
+            client.shutdown()
+    except DaemonNotRunningError:
+        if not _exited(pid, run_dir):
+            raise LlmdError(f"the daemon (pid {pid}) did not answer within {SILENCE_TIMEOUT_S:g}s; "
+                            "`llmd stop --force` ends it (in-flight requests are lost)") from None
+    if _wait_exit(pid, run_dir, timeout):  # at once if it died before it could answer
+        print(f"llmd: stopped (pid {pid})")
+        return 0
+    raise LlmdError(f"the daemon (pid {pid}) is still running {timeout:g}s after it was asked to stop; "
+                    "`llmd stop --force` ends it (in-flight requests are lost)")
+
+
+def _force_stop(pid: int, run_dir: Path, timeout: float) -> int:
+    """SIGTERM (the same graceful stop as the shutdown message), SIGKILL after ``timeout``, then
+    remove whatever the daemon left."""
+    import signal
+
+    _signal(pid, signal.SIGTERM)
+    # NOTE: a stopped process (SIGSTOP, Ctrl-Z) acts on SIGTERM only once continued; systemd
+    # follows its SIGTERM with SIGCONT for the same reason.
+    _signal(pid, signal.SIGCONT)
+    if _wait_exit(pid, run_dir, timeout):
+        done = f"llmd: stopped (pid {pid})"
+    else:
+        _signal(pid, signal.SIGKILL)
+        if not _wait_exit(pid, run_dir, KILL_WAIT_S):
+            raise LlmdError(f"the daemon (pid {pid}) is still there {KILL_WAIT_S:g}s after SIGKILL: it is stuck "
+                            f"in the kernel (e.g. a GPU driver call); `ps -o stat,wchan -p {pid}` shows where")
+        done = f"llmd: killed (pid {pid}) after it did not exit within {timeout:g}s of SIGTERM"
+    _remove_leftovers(run_dir)
+    print(done)
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -702,26 +852,41 @@ def _model_state_line(info: dict, stats: dict) -> str:
                        f"{stats.get('idle_s', 0):.0f}s)" if idle_unload else "")
 
 
+def _not_answering_line(pid: int) -> str:
+    stopped = _process_state(pid) == "T"
+    why = f"it is stopped (`kill -CONT {pid}` resumes it)" if stopped else "hung, or busy with a very long step"
+    return (f"llmd: running (pid {pid}) but not answering within {STATUS_ANSWER_TIMEOUT_S:g}s: {why}; "
+            "`llmd stop --force` ends it")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from llmd.bench import kernels_line
-    from llmd.client import Client, DaemonNotRunningError, load_connection
+    from llmd.client import Client, DaemonNotRunningError
+    from llmd.paths import runtime_dir
 
+    run_dir = runtime_dir(args.socket_dir, create=False)
+    connection = _running_daemon(run_dir)
     try:
-        connection = load_connection(args.socket_dir)
+        if connection is None:
+            raise DaemonNotRunningError("no daemon")
         with Client(connection=connection) as client:
+            # NOTE: a short wait first: a hung daemon is told apart in seconds, not the 15 s of info().
+            client.health(timeout=STATUS_ANSWER_TIMEOUT_S)
             info = client.info()
             stats = client.stats()
     except DaemonNotRunningError:
-        if args.json:
-            print(json.dumps({"running": False}))
-        else:
-            print("llmd: not running (start it with `llmd start`)")
-        return 3
+        if connection is not None and not _exited(connection["pid"], run_dir):
+            pid = connection["pid"]
+            print(json.dumps({"running": True, "answering": False, "pid": pid}) if args.json
+                  else _not_answering_line(pid))
+            return STATUS_NOT_ANSWERING
+        print(json.dumps({"running": False}) if args.json else "llmd: not running (start it with `llmd start`)")
+        return STATUS_NOT_RUNNING
     if args.json:
-        print(json.dumps({"running": True, **info, "stats": stats}))
-        return 0
+        print(json.dumps({"running": True, "answering": True, **info, "stats": stats}))
+        return STATUS_RUNNING
     used, cached, total = stats["num_blocks_used"], stats["num_blocks_cached_free"], stats["num_blocks"]
     lines = [
         f"running     pid {info['pid']}, up {stats['uptime_s']:.0f}s, llmd {info['version']}",
@@ -741,7 +906,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"sockets     {connection['requests']}",
     ]
     print("\n".join(lines))
-    return 0
+    return STATUS_RUNNING
 
 
 def _configure_logging(verbose: bool) -> None:

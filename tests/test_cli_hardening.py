@@ -1,16 +1,20 @@
 """The CLI against what a user can throw at it: prompts that are not UTF-8 or are too large for one
-message, integer and float flags outside what the daemon takes."""
+message, integer and float flags outside what the daemon takes, and a daemon that is alive but
+does not answer (`llmd status` says so, `llmd stop --force` ends it and its files)."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from daemon_helpers import daemon_env, start_daemon, stop_daemon
+from daemon_helpers import daemon_env, start_daemon, stop_daemon, wait_gone
 from tiny_models import make_hf_model, save_hf_model
 
 from llmd.cli import main
@@ -144,6 +148,120 @@ def test_seed_bounds_are_the_daemons(capsys, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["generate", "hi", "--seed", str(2**63), *missing])
     assert exc.value.code == 2
+
+
+# ---- D, E: a daemon that is alive but does not answer --------------------------------------------
+
+FAKE_DAEMON = """
+import signal, sys, time
+from pathlib import Path
+from llmd.daemon.runtime_files import RuntimeFiles
+
+files = RuntimeFiles(Path(sys.argv[1]))
+files.acquire()
+files.write_connection_file({"model": "fake"})
+(files.run_dir / "requests.sock").touch()  # what a daemon killed by SIGKILL leaves next to daemon.json
+if sys.argv[2] == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def fake_daemon(run_dir: Path, mode: str) -> subprocess.Popen:
+    """A process that holds the daemon's lock and connection file like a daemon and never answers."""
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_DAEMON, str(run_dir), mode], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_status_help_documents_its_exit_codes(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 running and answering; 3 not running; 4 running but no answer within 5s" in out
+
+
+@pytest.mark.slow
+def test_hung_daemon_status_then_stop_force(tmp_path: Path, env: dict[str, str]) -> None:
+    model_dir = save_hf_model(make_hf_model("llama"), tmp_path / "model", with_tokenizer=True)
+    run_dir = tmp_path / "run"
+    pid = start_daemon(model_dir, run_dir, "--quant", "none", env=env)["pid"]
+    try:
+        assert llmd(env, "status", "--socket-dir", str(run_dir)).returncode == 0
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        status = llmd(env, "status", "--socket-dir", str(run_dir))
+        # Before: 15 s of silence, then "not running" and exit status 3.
+        assert time.monotonic() - start < 12
+        assert status.returncode == 4, status.stdout + status.stderr
+        assert status.stdout.strip() == (f"llmd: running (pid {pid}) but not answering within 5s: it is stopped "
+                                         f"(`kill -CONT {pid}` resumes it); `llmd stop --force` ends it")
+        as_json = llmd(env, "status", "--json", "--socket-dir", str(run_dir))
+        assert as_json.returncode == 4
+        assert json.loads(as_json.stdout) == {"running": True, "answering": False, "pid": pid}
+
+        stop = llmd(env, "stop", "--socket-dir", str(run_dir))
+        assert stop.returncode == 1
+        assert f"the daemon (pid {pid}) did not answer within 15s; `llmd stop --force` ends it" \
+            in error_line(stop.stderr)
+
+        forced = llmd(env, "stop", "--force", "--socket-dir", str(run_dir), timeout=60)
+        assert forced.returncode == 0, forced.stderr
+        assert forced.stdout.strip() == f"llmd: stopped (pid {pid})"  # SIGCONT let it act on SIGTERM
+        assert wait_gone(pid, timeout=10)
+        assert not (run_dir / "daemon.json").exists()
+        assert llmd(env, "status", "--socket-dir", str(run_dir)).returncode == 3
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        stop_daemon(run_dir, env)
+
+
+def test_stop_force_kills_a_daemon_that_ignores_sigterm(tmp_path: Path, env: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    proc = fake_daemon(run_dir, "ignore-term")
+    try:
+        assert llmd(env, "status", "--socket-dir", str(run_dir)).returncode == 4
+        forced = llmd(env, "stop", "--force", "--timeout", "1", "--socket-dir", str(run_dir), timeout=60)
+        assert forced.returncode == 0, forced.stderr
+        assert forced.stdout.strip() == f"llmd: killed (pid {proc.pid}) after it did not exit within 1s of SIGTERM"
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert not (run_dir / "daemon.json").exists() and not (run_dir / "requests.sock").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stop_force_removes_what_a_dead_daemon_left(tmp_path: Path, env: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    dead = fake_daemon(run_dir, "plain")
+    dead.kill()
+    dead.wait()
+    # Its pid now names a live process that is not a daemon (as after pid reuse): never signalled.
+    info = json.loads((run_dir / "daemon.json").read_text())
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        (run_dir / "daemon.json").write_text(json.dumps({**info, "pid": bystander.pid}))
+        start = time.monotonic()
+        status = llmd(env, "status", "--socket-dir", str(run_dir))
+        assert status.returncode == 3 and "not running" in status.stdout
+        assert time.monotonic() - start < 10  # before: 15 s waiting for the bystander to answer
+        forced = llmd(env, "stop", "--force", "--socket-dir", str(run_dir))
+        assert forced.returncode == 0, forced.stderr
+        assert forced.stdout.strip() == f"llmd: not running; removed the files a dead daemon left in {run_dir}"
+        assert not (run_dir / "daemon.json").exists() and not (run_dir / "requests.sock").exists()
+        assert bystander.poll() is None
+        # Nothing left: the same answer as `llmd stop`.
+        again = llmd(env, "stop", "--force", "--socket-dir", str(run_dir))
+        assert again.returncode == 1 and "no llmd daemon is running" in error_line(again.stderr)
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 # ---- C with a daemon: refused locally, not after 15 s of silence ------------------------------
