@@ -34,16 +34,6 @@ GROUP_HELP = "int4/int8 group size (int4 default 32; int8 default per channel)"
 # NOTE: msgpack carries signed 64-bit integers at most; a larger one fails while the request is
 # being encoded, so every integer flag is bounded here, where argparse can say so in one line.
 MAX_WIRE_INT = 2**63 - 1  # also SamplingParams' bound for seed: [0, 2**63)
-# Upper bounds for `llmd start`'s integer settings (llmd.config.OPTIONS), beyond which the daemon
-# loads the model and then fails allocating (a traceback) or answers `info` with an integer msgpack
-# cannot carry. Each is far beyond any real use.
-SETTING_MAXIMA = {
-    "kv_cache_mb": 2**24,  # 16 TiB
-    "block_size": 1024,
-    "max_num_seqs": 4096,  # per-row decode buffers and block tables are sized by it
-    "max_batched_tokens": 2**20,  # more than the longest prompt the protocol takes (MAX_PROMPT_CHARS)
-    "max_queue_len": 1_000_000,
-}
 # A prompt's UTF-8 bytes leave 64 KiB of a message (MAX_MESSAGE_BYTES) for the rest of it: ids,
 # sampling parameters, msgpack framing.
 MAX_PROMPT_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
@@ -115,20 +105,17 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         if option.choices:
             kwargs["choices"] = option.choices
         else:
-            kwargs["type"] = _flag_type(option.parse, option.name, SETTING_MAXIMA.get(option.name))
+            kwargs["type"] = _flag_type(option.parse, option.name)
         names = [option.flag, "-m"] if option.name == "model" else [option.flag]
         parser.add_argument(*names, **kwargs)
 
 
-def _flag_type(parse: Callable[[str], object], name: str, maximum: int | None = None) -> Callable[[str], object]:
+def _flag_type(parse: Callable[[str], object], name: str) -> Callable[[str], object]:
     def convert(text: str) -> object:
         try:
-            value = parse(text)
+            return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"expected {e}, got {text!r}") from None
-        if maximum is not None and isinstance(value, int) and value > maximum:
-            raise argparse.ArgumentTypeError(f"expected at most {maximum}, got {text!r}")
-        return value
     convert.__name__ = name  # argparse names the type in its messages
     return convert
 
@@ -418,10 +405,12 @@ def _generate_with_daemon(args: argparse.Namespace, prompt: str, connection: dic
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from llmd.daemon.serve import DaemonOptions, serve
+    from llmd.daemon.serve import DaemonOptions, check_tcp, serve
 
     settings = _settings(args)
     _check_quant(settings["quant"], settings["group_size"])
+    if not args.foreground:  # here too, so the warning reaches this terminal, not only the log
+        check_tcp(settings["tcp"], settings["allow_remote"])
     if args.foreground:
         if args.log_file:
             from llmd.logs import log_to_file

@@ -37,7 +37,9 @@ class ConfigError(LlmdError):
     """The config file cannot be read, or one of its keys has a bad value."""
 
 
-def _whole(value: Any, minimum: int) -> int:
+def _whole(value: Any, minimum: int, maximum: int | None = None) -> int:
+    """``maximum``: far beyond any real use, but a bound, so an absurd value is refused here, not
+    after the model loaded (an allocation failing, or an integer msgpack cannot carry in ``info``)."""
     if isinstance(value, str):
         try:
             value = int(value)
@@ -45,6 +47,8 @@ def _whole(value: Any, minimum: int) -> int:
             raise ValueError("a whole number") from None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"a whole number >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"a whole number from {minimum} to {maximum}")
     return value
 
 
@@ -139,19 +143,20 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("attention", "auto", _Choice("auto", "torch", "cpu", "triton"),
            "attention kernels: auto is Triton on CUDA, the native cpu kernel on the CPU (torch if it cannot "
            "be built); torch is the reference"),
-    Option("kv_cache_mb", None, lambda v: _whole(v, 1),
+    Option("kv_cache_mb", None, lambda v: _whole(v, 1, 2**24),  # 16 TiB
            "memory for the KV cache in MiB (default: CPU 1024, at most a quarter of free RAM; GPU what "
            "gpu_memory_fraction leaves)", "MIB", "(sized at start)"),
     Option("gpu_memory_fraction", 0.8, lambda v: _number(v, 0.0, 1.0, low_open=True),
            "share of the GPU's memory llmd may use; the rest is left to the desktop", "F"),
-    Option("block_size", 16, lambda v: _whole(v, 1), "tokens per KV block", "N"),
-    Option("max_num_seqs", 64, lambda v: _whole(v, 1), "requests running at once", "N"),
-    Option("max_batched_tokens", 512, lambda v: _whole(v, 1),
+    Option("block_size", 16, lambda v: _whole(v, 1, 1024), "tokens per KV block", "N"),
+    # NOTE: per-row decode buffers and block tables are sized by max_num_seqs
+    Option("max_num_seqs", 64, lambda v: _whole(v, 1, 4096), "requests running at once", "N"),
+    Option("max_batched_tokens", 512, lambda v: _whole(v, 1, 2**20),
            "tokens per engine step, prompt chunks and decodes together", "N"),
     Option("prefix_cache", True, _bool, "reuse the KV blocks of shared prompt prefixes"),
     Option("cuda_graphs", False, _bool, "replay decode steps as CUDA graphs, one per batch size (CUDA with Triton "
                                         "attention; never run on a GPU yet, see README GPU status)"),
-    Option("max_queue_len", 256, lambda v: _whole(v, 1),
+    Option("max_queue_len", 256, lambda v: _whole(v, 1, 1_000_000),
            "waiting requests beyond which new ones are refused as overloaded", "N"),
     Option("idle_unload", 0.0, lambda v: _number(v, 0.0, 60.0 * 24 * 365),
            "minutes without requests after which the model and KV cache are freed (reloaded on the next "

@@ -57,7 +57,7 @@ def test_environment_sits_between_the_file_and_the_flags(monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("name, text", [("LLMD_KV_CACHE_MB", "lots"), ("LLMD_PREFIX_CACHE", "maybe"),
-                                        ("LLMD_DEVICE", "tpu")])
+                                        ("LLMD_DEVICE", "tpu"), ("LLMD_MAX_QUEUE_LEN", "10000000")])
 def test_a_bad_variable_is_named(name: str, text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(name, text)
     with pytest.raises(ConfigError, match=rf"^\${name} must be .*, got '{text}'$"):
@@ -73,6 +73,9 @@ def test_a_bad_variable_is_named(name: str, text: str, monkeypatch: pytest.Monke
     ('tcp = "localhost"\n', "tcp"),
     ("gpu_memory_fraction = 0\n", "gpu_memory_fraction"),
     ("max_num_seqs = true\n", "max_num_seqs"),
+    ("max_num_seqs = 100000000000000000000000\n", "max_num_seqs"),  # the file is bounded as the flags are
+    ("block_size = 1073741824\n", "block_size"),
+    ("allow_remote = \"yes\"\n", "allow_remote"),
     ('model = ""\n', "model"),
 ])
 def test_a_bad_value_names_its_key(text: str, key: str) -> None:
