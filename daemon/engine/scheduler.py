@@ -19,6 +19,11 @@ does not fit is skipped, never holding back smaller ones behind it, but it keeps
 (priority, then arrival): once ``max_num_seqs`` requests from behind it have been admitted, no
 more of its priority or lower are until it is, so it cannot starve.
 
+A token budget bounds a step's work, not its time: on a CPU, 512 prompt tokens at a 7,000-token
+context take seconds, and every other client waits that long for each token. So while more than
+one owner has work, a step's prompt tokens are scaled to end in about ``step_seconds``, from how
+long the last step with prompt work took per token; a lone owner keeps the whole budget.
+
 When the pool runs dry for a decode's next block, a running sequence is preempted: of the lowest
 priority, of the owner holding the most blocks, the most recently admitted. Its blocks are freed and
 it waits in its old place to be recomputed (its prefix may well still be in the cache); nothing is
@@ -37,19 +42,32 @@ from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
+MIN_PACED_TOKENS = 16  # prompt tokens a paced step still takes, however slow the last one was
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Batching limits. Raises ``ValueError`` on nonsense values."""
+    """Batching limits. Raises ``ValueError`` on nonsense values.
+
+    Attributes:
+        step_seconds: while more than one owner has work, about how long a step may take (each
+            streaming client's time between tokens); None: the token budget alone.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    step_seconds: float | None = 0.2
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        seconds = self.step_seconds
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not seconds > 0):
+            raise ValueError(f"step_seconds must be a positive number of seconds or None, got {seconds!r}")
 
 
 @dataclass(slots=True)
@@ -104,6 +122,10 @@ class Scheduler:
         # this step's state, for _admit
         self._blocker: Sequence | None = None
         self._preempted = False
+        # pacing: prompt tokens for a step of step_seconds, from the last step with prompt work
+        self._paced_tokens = config.max_num_batched_tokens
+        self._num_prompt_tokens = 0  # in the step scheduled last
+        self._scheduled_at = 0.0
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=_place)
@@ -128,6 +150,8 @@ class Scheduler:
         if not self._preempted and len(self.running) < limit:
             work += self.waiting
         work.sort(key=lambda s: (-s.priority, _num_left(s), s.timings.arrival))
+        if self.config.step_seconds is not None and len({s.owner for s in self.running + self.waiting}) > 1:
+            budget = min(budget, self._paced_tokens)
         grants: dict[Sequence, int] = {}
         for _, same_priority in itertools.groupby(work, key=lambda s: s.priority):
             queues: dict[Any, list[Sequence]] = {}  # owner -> its work, the next one last
@@ -136,6 +160,8 @@ class Scheduler:
             budget = self._share(queues, budget, grants)
         batch.seqs += grants
         batch.num_new_tokens += grants.values()
+        self._num_prompt_tokens = sum(grants.values())
+        self._scheduled_at = time.monotonic()
         return batch
 
     def _share(self, queues: dict[Any, list[Sequence]], budget: int, grants: dict[Sequence, int]) -> int:
@@ -226,6 +252,11 @@ class Scheduler:
         Args:
             sampled: per scheduled sequence, the new token, or None if its prompt is not done.
         """
+        seconds = time.monotonic() - self._scheduled_at  # the model's run: called right after it
+        if self.config.step_seconds is not None and self._num_prompt_tokens >= MIN_PACED_TOKENS:
+            # NOTE: proportional: t = fixed + per_token * n settles at the n that takes step_seconds
+            paced = int(self._num_prompt_tokens * self.config.step_seconds / max(seconds, 1e-6))
+            self._paced_tokens = max(MIN_PACED_TOKENS, min(paced, self.config.max_num_batched_tokens))
         finished = []
         for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled):
             if seq.is_finished:  # aborted while the step ran
