@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -150,9 +151,6 @@ class PackedWeight:
     w: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
-    # the quantised activations' buffers by row count, reused: a decode step's head call allocates
-    # only its output (the engine calls from one thread)
-    _scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_int4(cls, qw: Int4Weight) -> PackedWeight:
@@ -172,17 +170,28 @@ class PackedWeight:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         m, k = x.shape
-        scratch = self._scratch.get(m)
-        if scratch is None:
-            scratch = self._scratch[m] = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QK),
-                                          torch.empty(m, k // QK))
-        xq, xd, xm = scratch
+        xq, xd, xm = _activation_scratch(m, k)
         out = torch.empty(m, self.n)
         mins = 0 if self.mins is None else self.mins.data_ptr()
         (lib or library()).llmd_qgemm(self.kind, x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xm.data_ptr(),
                                       self.w.data_ptr(), self.scales.data_ptr(), mins, self.n, self.group_size,
                                       out.data_ptr(), _threads())
         return out
+
+
+_scratch = threading.local()
+
+
+def _activation_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buffers for ``m x k`` quantised activations (int8 values, scales, scaled sums): one set per
+    thread, shared by every PackedWeight (a call needs them only while it runs) and grown to the
+    largest call, so a decode step's head allocates only its output, and memory does not grow with
+    the number of distinct batch sizes (it did while each weight kept a set per row count)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf[0].numel() < m * k:
+        buf = _scratch.buf = (torch.empty(m * k, dtype=torch.int8), torch.empty(m * k // QK), torch.empty(m * k // QK))
+    groups = m * (k // QK)
+    return buf[0][:m * k].view(m, k), buf[1][:groups].view(m, k // QK), buf[2][:groups].view(m, k // QK)
 
 
 def qgemm_ref(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
