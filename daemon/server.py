@@ -245,6 +245,9 @@ class Server:
                     self._drain_incoming()
                 self._collect_encoded()
                 self._manage_model()
+                # NOTE: answers (health, stats, accepted, errors) leave now, not after a step that
+                # may take seconds on a CPU with a long context.
+                self._flush_outbox()
                 if self.engine.has_unfinished() and self.engine.is_loaded:
                     if not self._step():
                         code = 1
