@@ -20,9 +20,10 @@ does not fit is skipped, never holding back smaller ones behind it, but it keeps
 more of its priority or lower are until it is, so it cannot starve.
 
 A token budget bounds a step's work, not its time: on a CPU, 512 prompt tokens at a 7,000-token
-context take seconds, and every other client waits that long for each token. So while more than
-one owner has work, a step's prompt tokens are scaled to end in about ``step_seconds``, from how
-long the last step with prompt work took per token; a lone owner keeps the whole budget.
+context take seconds, and every other client waits that long for each token, a new request as long
+for the step in flight to end. So a step's prompt tokens are also cut to end in about
+``step_seconds`` while more than one owner has work, ``lone_step_seconds`` otherwise, at the rate
+the last step with prompt work ran.
 
 When the pool runs dry for a decode's next block, a running sequence is preempted: of the lowest
 priority, of the owner holding the most blocks, the most recently admitted. Its blocks are freed and
@@ -50,24 +51,27 @@ class SchedulerConfig:
     """Batching limits. Raises ``ValueError`` on nonsense values.
 
     Attributes:
-        step_seconds: while more than one owner has work, about how long a step may take (each
-            streaming client's time between tokens); None: the token budget alone.
+        step_seconds: about how long a step may take while more than one owner has work: each
+            streaming client's time between tokens.
+        lone_step_seconds: the same for one owner: what a request arriving meanwhile waits for the
+            step in flight. None, for either: the token budget alone.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     step_seconds: float | None = 0.2
+    lone_step_seconds: float | None = 0.5
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        seconds = self.step_seconds
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                    or not seconds > 0):
-            raise ValueError(f"step_seconds must be a positive number of seconds or None, got {seconds!r}")
+        for name in ("step_seconds", "lone_step_seconds"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -122,8 +126,8 @@ class Scheduler:
         # this step's state, for _admit
         self._blocker: Sequence | None = None
         self._preempted = False
-        # pacing: prompt tokens for a step of step_seconds, from the last step with prompt work
-        self._paced_tokens = config.max_num_batched_tokens
+        # pacing: how fast the last step with prompt work ran
+        self._prompt_tokens_per_s: float | None = None
         self._num_prompt_tokens = 0  # in the step scheduled last
         self._scheduled_at = 0.0
 
@@ -150,8 +154,7 @@ class Scheduler:
         if not self._preempted and len(self.running) < limit:
             work += self.waiting
         work.sort(key=lambda s: (-s.priority, _num_left(s), s.timings.arrival))
-        if self.config.step_seconds is not None and len({s.owner for s in self.running + self.waiting}) > 1:
-            budget = min(budget, self._paced_tokens)
+        budget = min(budget, self._paced_tokens())
         grants: dict[Sequence, int] = {}
         for _, same_priority in itertools.groupby(work, key=lambda s: s.priority):
             queues: dict[Any, list[Sequence]] = {}  # owner -> its work, the next one last
@@ -163,6 +166,16 @@ class Scheduler:
         self._num_prompt_tokens = sum(grants.values())
         self._scheduled_at = time.monotonic()
         return batch
+
+    def _paced_tokens(self) -> int:
+        """The prompt tokens the next step may take to end in time (module docstring)."""
+        cfg = self.config
+        seconds = cfg.step_seconds if len({s.owner for s in self.running + self.waiting}) > 1 else cfg.lone_step_seconds
+        if seconds is None or self._prompt_tokens_per_s is None:
+            return cfg.max_num_batched_tokens
+        # NOTE: the rate includes each step's fixed cost, so if a step costs fixed + n * per_token,
+        # steps settle at the n that takes ``seconds``.
+        return max(MIN_PACED_TOKENS, int(self._prompt_tokens_per_s * seconds))
 
     def _share(self, queues: dict[Any, list[Sequence]], budget: int, grants: dict[Sequence, int]) -> int:
         """Grant up to ``budget`` tokens to the owners' queues, max-min fairly between owners,
@@ -253,10 +266,8 @@ class Scheduler:
             sampled: per scheduled sequence, the new token, or None if its prompt is not done.
         """
         seconds = time.monotonic() - self._scheduled_at  # the model's run: called right after it
-        if self.config.step_seconds is not None and self._num_prompt_tokens >= MIN_PACED_TOKENS:
-            # NOTE: proportional: t = fixed + per_token * n settles at the n that takes step_seconds
-            paced = int(self._num_prompt_tokens * self.config.step_seconds / max(seconds, 1e-6))
-            self._paced_tokens = max(MIN_PACED_TOKENS, min(paced, self.config.max_num_batched_tokens))
+        if self._num_prompt_tokens >= MIN_PACED_TOKENS:
+            self._prompt_tokens_per_s = self._num_prompt_tokens / max(seconds, 1e-9)
         finished = []
         for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled):
             if seq.is_finished:  # aborted while the step ran
