@@ -6,8 +6,8 @@ Each step spends one token budget; prompt chunks and decode tokens share one rag
 2. The rest goes to prompt work (running prompts and waiting requests), higher priority first.
    Within a priority it is split max-min fairly between owners (clients): an owner that needs less
    than an equal share gets all it needs, the others split the rest evenly. One client's long
-   prompts cannot take the whole budget while another client has work: a short request starts in
-   the step after it arrives, however much is queued ahead of it.
+   prompts cannot take the whole budget while another client has work: a short request that fits
+   starts in the step after it arrives, however much is queued ahead of it.
 3. Each owner spends its share on its own work, shortest remainder first, so a long prompt is
    chunked behind short ones, not in front of them. A waiting request is admitted when its turn
    comes, if there is a slot and the blocks for its whole remaining prompt; a share an owner
@@ -170,7 +170,8 @@ class Scheduler:
     def _paced_tokens(self) -> int:
         """The prompt tokens the next step may take to end in time (module docstring)."""
         cfg = self.config
-        seconds = cfg.step_seconds if len({s.owner for s in self.running + self.waiting}) > 1 else cfg.lone_step_seconds
+        shared = len({s.owner for s in self.running + self.waiting}) > 1
+        seconds = cfg.step_seconds if shared else cfg.lone_step_seconds
         if seconds is None or self._prompt_tokens_per_s is None:
             return cfg.max_num_batched_tokens
         # NOTE: the rate includes each step's fixed cost, so if a step costs fixed + n * per_token,
