@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -60,6 +60,7 @@ KEEPALIVE_INTERVAL_S = 1.0
 # Messages ZeroMQ may hold for one client before we keep (and merge) its deltas ourselves: small, so
 # a reader that stops costs a bounded queue, not one message per token.
 CLIENT_SNDHWM = 64
+FRESH_ENCODING_WAIT_S = 0.02  # how long a loop turn waits for the prompts that arrived in it
 # NOTE: test hook, read once at start: make engine step number N raise, to test fault handling.
 _FAULT_STEP = int(os.environ.get("LLMD_FAULT_STEP", "0") or 0)
 
@@ -153,6 +154,7 @@ class Server:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._encoding_replies: list[tuple[Future[list[int]], bytes, str]] = []  # `tokenize` requests
+        self._fresh: list[Future[list[int]]] = []  # encodings started in this loop turn
         self.live: dict[str, _Live] = {}  # engine request id -> request
         self.outbox: dict[bytes, deque[tuple[str, dict, str]]] = {}
         # per client, per request id: its delta still in the outbox, which later deltas are merged into
@@ -435,6 +437,7 @@ class Server:
         live = _Live(identity, rid, msg.msg_id, stream, 0, f"r{next(self._public_ids)}", params, priority)
         live.encoding = self.encoder.submit(c)
         live.encoding.add_done_callback(self._wake)
+        self._fresh.append(live.encoding)
         self.live[key] = live
         if identity not in self._owners:
             self._owners[identity] = next(self._owner_numbers)
@@ -447,6 +450,11 @@ class Server:
 
     def _collect_encoded(self) -> None:
         """Queue the requests whose prompts are encoded; answer the `tokenize`s that are done."""
+        if self._fresh:
+            # NOTE: a usual prompt encodes in a millisecond: worth waiting that long for it, since
+            # otherwise it misses the next step, which may take a second on a CPU.
+            wait(self._fresh, timeout=FRESH_ENCODING_WAIT_S)
+            self._fresh.clear()
         try:
             # NOTE: every finished encoding writes a byte after it is done, so no byte, nothing new.
             if not os.read(self._wake_r, 65536):

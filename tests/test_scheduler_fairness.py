@@ -238,11 +238,11 @@ def test_steps_are_paced_to_their_time_targets(monkeypatch: pytest.MonkeyPatch) 
         sched.update(batch, sampled)
         return seconds
 
-    sched = make_scheduler()  # step_seconds 0.2, lone_step_seconds 0.5
+    sched = make_scheduler()  # step_seconds 0.2, lone_step_seconds 1.0
     add_all(sched, [make_seq(f"a{i}", 7000, owner="A", max_tokens=16) for i in range(2)])
     lone = [timed_step(sched) for _ in range(4)]
     assert lone[0] == 0.02 + 0.005 * 512, "nothing measured yet: the token budget"
-    assert all(0.45 <= t <= 0.55 for t in lone[1:]), f"one owner: steps of {lone}"
+    assert all(0.9 <= t <= 1.1 for t in lone[1:]), f"one owner: steps of {lone}"
     short = add_all(sched, [make_seq("b", 4, owner="B", max_tokens=8)])[0]
     arrived = clock.now
     shared = []
@@ -251,7 +251,7 @@ def test_steps_are_paced_to_their_time_targets(monkeypatch: pytest.MonkeyPatch) 
     assert len(shared) == 8
     assert all(t <= 0.22 for t in shared[1:]), f"two owners: steps of {shared}"
     assert clock.now - arrived <= 8 * 0.22
-    assert 0.45 <= timed_step(sched) <= 0.55, "one owner again"
+    assert 0.85 <= timed_step(sched) <= 1.1, "one owner again (the rate last measured in short steps: a little under)"
 
 
 @pytest.mark.parametrize("name", ["step_seconds", "lone_step_seconds"])

@@ -61,7 +61,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     step_seconds: float | None = 0.2
-    lone_step_seconds: float | None = 0.5
+    lone_step_seconds: float | None = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
