@@ -56,7 +56,8 @@ def _row(seq: Sequence, state: str, now: float) -> RequestRow:
 
 
 def request_rows(running: list[Sequence], waiting: list[Sequence], limit: int) -> list[RequestRow]:
-    """Running requests (in admission order), then waiting ones (in arrival order), at most ``limit``."""
+    """Running requests (in admission order), then waiting ones (in their queue places: priority,
+    then arrival), at most ``limit``."""
     now = time.monotonic()
     rows = [_row(seq, "running", now) for seq in running[:limit]]
     rows += [_row(seq, "waiting", now) for seq in waiting[:max(0, limit - len(rows))]]
