@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from llmd import __version__, service
 from llmd.errors import LlmdError
 from llmd.kernels import cpu_profile
+from llmd.paths import process_state
 from llmd.protocol import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS
 from llmd.quant import QUANT_SCHEMES
 
@@ -677,15 +678,6 @@ def _running_daemon(run_dir: Path) -> dict[str, Any] | None:
     return info
 
 
-def _process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (R, S, T stopped, Z zombie...); None where there is
-    no /proc (macOS) or no such process."""
-    try:  # the state follows the parenthesised command name, which may itself hold ")"
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
 def _exited(pid: int, run_dir: Path) -> bool:
     try:
         os.kill(pid, 0)
@@ -695,7 +687,7 @@ def _exited(pid: int, run_dir: Path) -> bool:
         return True  # the pid is another user's process now
     # NOTE: a zombie (ended, not yet reaped by its parent) still answers kill(pid, 0). Without /proc
     # the lock tells: the kernel dropped it when the process ended.
-    state = _process_state(pid)
+    state = process_state(pid)
     return state == "Z" if state is not None else _lock_held(run_dir) is False
 
 
@@ -842,7 +834,7 @@ def _model_state_line(info: dict, stats: dict) -> str:
 
 
 def _not_answering_line(pid: int) -> str:
-    stopped = _process_state(pid) == "T"
+    stopped = process_state(pid) == "T"
     why = f"it is stopped (`kill -CONT {pid}` resumes it)" if stopped else "hung, or busy with a very long step"
     return (f"llmd: running (pid {pid}) but not answering within {STATUS_ANSWER_TIMEOUT_S:g}s: {why}; "
             "`llmd stop --force` ends it")

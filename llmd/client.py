@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from llmd.errors import LlmdError
-from llmd.paths import read_connection_file, runtime_dir
+from llmd.paths import process_alive, read_connection_file, runtime_dir
 from llmd.protocol import MAX_MESSAGE_BYTES, REPLY_TYPES, Message, ProtocolError, decode, encode, new_msg_id
 
 SILENCE_TIMEOUT_S = 15.0  # the daemon writes at least every second while a request is in flight
@@ -105,8 +105,11 @@ class _Liveness:
     closed after the awaited message was sent (the daemon died, or dropped this client), or, for a
     local daemon, its process no longer exists."""
 
-    def __init__(self, sock: zmq.Socket, connection: dict[str, Any]) -> None:
+    def __init__(self, sock: zmq.Socket, connection: dict[str, Any], endpoint: str) -> None:
         self.connection = connection
+        # NOTE: the pid means something only on the daemon's machine: an ipc endpoint is there; a
+        # TCP one (the connection file copied elsewhere) may not be.
+        self._local = str(connection.get(endpoint, "")).startswith("ipc://")
         self._sock = sock
         # NOTE: a blocking monitor socket even for an asyncio ``sock``: it is only polled, never awaited.
         address = f"inproc://llmd-monitor-{os.urandom(8).hex()}"
@@ -130,8 +133,7 @@ class _Liveness:
             return ("the connection to the llmd daemon closed (it stopped, or dropped this client); "
                     "this request is lost")
         pid = self.connection.get("pid")
-        if str(self.connection.get("requests", "")).startswith("ipc://") and isinstance(pid, int) \
-                and not _process_alive(pid):
+        if self._local and isinstance(pid, int) and not process_alive(pid):
             return f"the llmd daemon (pid {pid}) has exited; start it again with `llmd start`"
         return None
 
@@ -145,18 +147,11 @@ class _Liveness:
             self._closings += 1
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited, but kill(0) still finds it until its parent reaps it
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+def _listened(polled_at: float) -> float:
+    """How long a poll begun at ``polled_at`` listened: its own length, at most twice what it asked
+    for. Time this client was itself stopped (SIGSTOP, a suspended laptop) is not the daemon's
+    silence: after a resume the waiting replies must be read, not declared missing."""
+    return min(time.monotonic() - polled_at, 2 * LIVENESS_CHECK_S)
 
 
 def _silence_message(timeout: float, connection: dict[str, Any]) -> str:
@@ -289,7 +284,7 @@ class Client:
         self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self._liveness = _Liveness(self.socket, self.connection)
+        self._liveness = _Liveness(self.socket, self.connection, endpoint)
         try:
             _connect(self.socket, self.connection, endpoint)
         except LlmdError:
@@ -328,7 +323,7 @@ class Client:
             DaemonNotRunningError: the daemon died or dropped the connection (noticed within about
                 LIVENESS_CHECK_S), or said nothing at all for ``timeout`` s.
         """
-        silent_since = time.monotonic()
+        silent = 0.0  # how long this wait has listened without hearing anything
         while True:
             box = self._pending.get(key)
             if box:
@@ -338,14 +333,16 @@ class Client:
                 if key.startswith("msg:") or msg.type in ("done", "error"):
                     self._liveness.ended(key)
                 return msg
+            polled_at = time.monotonic()
             if not self.socket.poll(int(LIVENESS_CHECK_S * 1000)):
                 if (why := self._liveness.why_gone(key)) is not None:
                     self._liveness.ended(key)
                     raise DaemonNotRunningError(why)
-                if time.monotonic() - silent_since > timeout:
+                silent += _listened(polled_at)
+                if silent > timeout:
                     raise DaemonNotRunningError(_silence_message(timeout, self.connection))
                 continue
-            silent_since = time.monotonic()
+            silent = 0.0
             routed = _accept(self.key, self.socket.recv_multipart(), self._discard)
             if routed is not None:
                 self._pending.setdefault(routed[0], deque()).append(routed[1])
@@ -438,7 +435,7 @@ class AsyncClient:
         self.ctx = zmq.asyncio.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self._liveness = _Liveness(self.socket, self.connection)
+        self._liveness = _Liveness(self.socket, self.connection, endpoint)
         try:
             _connect(self.socket, self.connection, endpoint)
         except LlmdError:
@@ -488,7 +485,9 @@ class AsyncClient:
     async def _wait(self, key: str, timeout: float = SILENCE_TIMEOUT_S) -> Message:
         """As :meth:`Client._wait`."""
         queue = self._queue(key)
+        silent = 0.0
         while True:
+            polled_at = time.monotonic()
             try:
                 msg = await asyncio.wait_for(queue.get(), timeout=LIVENESS_CHECK_S)
                 if key.startswith("msg:") or msg.type in ("done", "error"):
@@ -498,11 +497,11 @@ class AsyncClient:
                 if (why := self._liveness.why_gone(key)) is not None:
                     self._liveness.ended(key)
                     raise DaemonNotRunningError(why) from None
-                if time.monotonic() - self._last_heard > timeout:
+                silent = 0.0 if self._last_heard >= polled_at else silent + _listened(polled_at)
+                if silent > timeout:
                     raise DaemonNotRunningError(_silence_message(timeout, self.connection)) from None
 
     async def _call(self, msg_type: str, content: dict[str, Any] | None = None) -> dict[str, Any]:
-        self._last_heard = time.monotonic()
         msg_id = await self._send(msg_type, content or {})
         try:
             return _check(await self._wait(f"msg:{msg_id}")).content
@@ -526,7 +525,6 @@ class AsyncClient:
         (close the iterator, ``aclose()``, to cancel at once). ``on_accepted`` gets the daemon's
         ``accepted`` reply (its ``id`` names the request in the published stats)."""
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
-        self._last_heard = time.monotonic()
         await self._send("generate", _generate_content(rid, prompt, messages, token_ids, True, params, priority))
         key = f"req:{rid}"
         ended = False  # the daemon sent this request's done or error: nothing to cancel

@@ -102,19 +102,30 @@ def read_connection_file(run_dir: Path) -> dict[str, Any] | None:
         info = json.loads(data)
     except ValueError:
         return None
-    if not isinstance(info, dict) or not isinstance(info.get("pid"), int) or not _alive(info["pid"]):
+    if not isinstance(info, dict) or not isinstance(info.get("pid"), int) or not process_alive(info["pid"]):
         return None
     return info
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has, though kill(0) still finds
+    it until its parent reaps it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # someone else's process: alive
-    return True
+    return process_state(pid) != "Z"  # without /proc (macOS) kill(0) is all we know
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R, S, T stopped, Z zombie...); None where there is
+    no /proc (macOS) or no such process."""
+    try:  # the state follows the parenthesised command name, which may itself hold ")"
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def state_dir() -> Path:

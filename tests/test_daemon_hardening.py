@@ -317,6 +317,73 @@ def test_a_message_too_large_is_refused_before_sending(daemon) -> None:
 
 # ---- a dead daemon, noticed fast -----------------------------------------------------------------------
 
+class _Clock:
+    """The client module's clock, which a test can move forward."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_a_client_that_was_itself_stopped_does_not_blame_the_daemon(daemon, monkeypatch: pytest.MonkeyPatch,
+                                                                    client: str) -> None:
+    """A client SIGSTOPped (or a laptop suspended) for longer than the silence timeout finds its
+    replies waiting when it resumes: the time it was away is not the daemon's silence. (The soak
+    caught clients resumed after 5-20 s giving up with "did not answer for 15s".) Simulated: one
+    wait of the client's lasts 20 s by its clock and hears nothing."""
+    import llmd.client as client_module
+
+    clock = _Clock()
+    monkeypatch.setattr(client_module, "time", clock)
+    socket_dir, _ = daemon
+    if client == "sync":
+        with Client(socket_dir) as c:
+            real_socket = c.socket
+
+            class StoppedOnce:
+                stopped = False
+
+                def poll(self, timeout: int) -> int:
+                    if not StoppedOnce.stopped:
+                        StoppedOnce.stopped = True
+                        clock.offset += 20.0
+                        return 0  # the poll that was under way when the process stopped
+                    return real_socket.poll(timeout)
+
+                def __getattr__(self, name: str) -> object:
+                    return getattr(real_socket, name)
+
+            c.socket = StoppedOnce()
+            tokens = [t for d in c.generate(token_ids=[1, 2, 3], max_tokens=40, ignore_eos=True, temperature=0)
+                      for t in d.token_ids]
+            c.socket = real_socket
+    else:
+        class StoppedQueue(asyncio.Queue):
+            stopped = False
+
+            async def get(self):  # type: ignore[override]
+                if not StoppedQueue.stopped:
+                    StoppedQueue.stopped = True
+                    try:
+                        await asyncio.sleep(2 * client_module.LIVENESS_CHECK_S)  # this wait times out...
+                    finally:
+                        clock.offset += 20.0  # ...having lasted 20 s by the clock
+                return await super().get()
+
+        monkeypatch.setattr(AsyncClient, "_queue", lambda self, key: self._queues.setdefault(key, StoppedQueue()))
+
+        async def consume() -> list[int]:
+            async with AsyncClient(socket_dir) as c:
+                return [t async for item in c.generate(token_ids=[1, 2, 3], max_tokens=40, ignore_eos=True,
+                                                        temperature=0) for t in getattr(item, "token_ids", [])
+                        if not hasattr(item, "finish_reason")]
+        tokens = asyncio.run(consume())
+    assert len(tokens) == 40
+
+
 @pytest.mark.parametrize("client", ["sync", "async"])
 def test_a_killed_daemon_is_noticed_within_two_seconds(model_dir: Path, tmp: Path, env: dict[str, str],
                                                        client: str) -> None:
