@@ -10,7 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
+import zmq
+
 from llmd.config import OPTIONS
+from llmd.protocol import PROTOCOL, REPLY_TYPES, Message, decode, sign
 
 CLIENT_SCRIPT = Path(__file__).with_name("client_proc.py")
 
@@ -75,3 +79,55 @@ def client_process(socket_dir: Path, token_ids: list[int], max_tokens: int, env:
         [sys.executable, str(CLIENT_SCRIPT), str(socket_dir), json.dumps(token_ids), str(max_tokens)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
+
+
+class Raw:
+    """A DEALER socket speaking the protocol by hand, sending frames as given (for hostile tests).
+
+    Args:
+        endpoint: ``requests`` or ``tcp_requests``.
+        curve: a CURVE client key pair for a TCP endpoint (the daemon's server key comes from ``conn``).
+        rcvhwm: this socket's receive queue limit (a slow reader's).
+    """
+
+    def __init__(self, conn: dict, endpoint: str = "requests", curve: tuple[bytes, bytes] | None = None,
+                 rcvhwm: int | None = None) -> None:
+        self.key = bytes.fromhex(conn["key"])
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if rcvhwm is not None:
+            self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if curve is not None:
+            self.sock.curve_serverkey = conn["curve_server_key"].encode()
+            self.sock.curve_publickey, self.sock.curve_secretkey = curve
+        self.sock.connect(conn[endpoint])
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def send(self, msg_type: str, content: object, msg_id: str = "m1") -> None:
+        h = msgpack.packb({"v": 1, "id": msg_id, "type": msg_type, "ts": time.time()})
+        c = msgpack.packb(content)
+        self.send_frames([PROTOCOL, sign(self.key, h, c), h, c])
+
+    def recv(self, timeout: float = 5.0) -> Message | None:
+        """The next reply that is not a keepalive, or None after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+            msg = decode(self.key, self.sock.recv_multipart(), REPLY_TYPES)
+            if msg.type != "keepalive":
+                return msg
+        return None
+
+    def works(self) -> bool:
+        """A valid request right after: does it succeed?"""
+        self.send("generate", {"request_id": "ok", "token_ids": [1, 2, 3], "stream": False,
+                               "params": {"max_tokens": 3}}, "valid")
+        for _ in range(3):
+            msg = self.recv(10)
+            if msg is not None and msg.type == "done":
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close(0)

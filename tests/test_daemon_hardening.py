@@ -17,13 +17,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from daemon_helpers import daemon_env, start_daemon, stop_daemon, wait_for, wait_gone
+from daemon_helpers import Raw, daemon_env, start_daemon, stop_daemon, wait_for, wait_gone
 from tiny_models import make_hf_model, save_hf_model
 
 from llmd.client import AsyncClient, Client, DaemonNotRunningError, MessageTooLargeError
 from llmd.daemon.serve import check_tcp
 from llmd.errors import LlmdError
-from llmd.protocol import MAX_PROMPT_CHARS, PROTOCOL, REPLY_TYPES, Message, ReplayGuard, decode, encode, sign
+from llmd.protocol import MAX_PROMPT_CHARS, PROTOCOL, Message, ReplayGuard, encode, sign
 
 pytestmark = pytest.mark.slow
 
@@ -62,33 +62,6 @@ def daemon(model_dir: Path, tmp: Path, env: dict[str, str]):
     conn = start_daemon(model_dir, socket_dir, "--tcp", f"127.0.0.1:{free_port_pair()}", env=env)
     yield socket_dir, conn
     stop_daemon(socket_dir, env)
-
-
-class Raw:
-    """A DEALER socket sending frames as given."""
-
-    def __init__(self, conn: dict, endpoint: str = "requests", curve: tuple[bytes, bytes] | None = None,
-                 rcvhwm: int | None = None) -> None:
-        self.key = bytes.fromhex(conn["key"])
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if rcvhwm is not None:
-            self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        if curve is not None:
-            self.sock.curve_serverkey = conn["curve_server_key"].encode()
-            self.sock.curve_publickey, self.sock.curve_secretkey = curve
-        self.sock.connect(conn[endpoint])
-
-    def recv(self, timeout: float = 5.0) -> Message | None:
-        deadline = time.monotonic() + timeout
-        while self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-            msg = decode(self.key, self.sock.recv_multipart(), REPLY_TYPES)
-            if msg.type != "keepalive":
-                return msg
-        return None
-
-    def close(self) -> None:
-        self.sock.close(0)
 
 
 def peak_rss(pid: int) -> int:

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
-from daemon_helpers import daemon_env, start_daemon, stop_daemon
+from daemon_helpers import Raw, daemon_env, start_daemon, stop_daemon
 from tiny_models import CHAT_TEMPLATE, make_hf_model, save_hf_model
 
 from llmd.client import Client
-from llmd.protocol import PROTOCOL, REPLY_TYPES, decode, sign
+from llmd.protocol import PROTOCOL, sign
 
 pytestmark = pytest.mark.slow
 
@@ -40,42 +39,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
     conn = start_daemon(model, tmp / "run", env=env)
     yield tmp / "run", conn
     stop_daemon(tmp / "run", env)
-
-
-class Raw:
-    """A DEALER socket speaking the protocol by hand."""
-
-    def __init__(self, conn: dict) -> None:
-        self.key = bytes.fromhex(conn["key"])
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(conn["requests"])
-
-    def send_frames(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
-
-    def send(self, msg_type: str, content: object, msg_id: str = "m1") -> None:
-        h = msgpack.packb({"v": 1, "id": msg_id, "type": msg_type, "ts": time.time()})
-        c = msgpack.packb(content)
-        self.send_frames([PROTOCOL, sign(self.key, h, c), h, c])
-
-    def recv(self, timeout: float = 5.0):
-        deadline = time.monotonic() + timeout
-        while self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-            msg = decode(self.key, self.sock.recv_multipart(), REPLY_TYPES)
-            if msg.type != "keepalive":
-                return msg
-        return None
-
-    def works(self) -> bool:
-        """A valid request right after: does it succeed?"""
-        self.send("generate", {"request_id": "ok", "token_ids": [1, 2, 3], "stream": False,
-                               "params": {"max_tokens": 3}}, "valid")
-        for _ in range(3):
-            msg = self.recv(10)
-            if msg is not None and msg.type == "done":
-                return True
-        return False
 
 
 def dropped(socket_dir: Path) -> int:
