@@ -46,6 +46,7 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
 # name -> (argument types, result type); void* arguments take tensor.data_ptr().
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_has_avx2": ([], c_int),
+    "llmd_has_vnni": ([], c_int),
     "llmd_quantize_q8": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_int], None),
     "llmd_qgemm": ([c_int, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                     c_int64, c_int64, c_void_p, c_int], None),
@@ -155,7 +156,8 @@ def main() -> int:
         print(f"llmd: {e}", file=sys.stderr)
         return 1
     lib = load(path)
-    print(f"{path} ({'AVX2+FMA' if lib.llmd_has_avx2() else 'portable C'}; CPU profile {cpu_profile.describe()})")
+    isa = ("AVX2+FMA+VNNI" if lib.llmd_has_vnni() else "AVX2+FMA") if lib.llmd_has_avx2() else "portable C"
+    print(f"{path} ({isa}; CPU profile {cpu_profile.describe()})")
     return 0
 
 

@@ -1,5 +1,5 @@
 """The native CPU kernels (kernels/cpu/*.c) against their torch references, in both builds: the
-one for this CPU (AVX2+FMA, -march=native) and the portable C; and the fallback when the library
+one for this CPU (AVX2+FMA, VNNI where the CPU has it; -march=native) and the portable C; and the fallback when the library
 cannot be had."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import ctypes
 import pytest
 import torch
 
-from llmd.kernels import native, quant_cpu
+from llmd.kernels import cpu_profile, native, quant_cpu
 from llmd.kernels.quant_cpu import PackedWeight
 from llmd.quant.common import pack_int4
 from llmd.quant.int4 import Int4Linear, Int4Weight, dequantize_int4, quantize_int4
@@ -23,7 +23,11 @@ def lib(request, tmp_path_factory) -> ctypes.CDLL:
     if request.param == "native-arch":
         built = native.library()
         assert built is not None, "a machine with a C compiler must build the library"
-        assert built.llmd_has_avx2() == ("avx2" in open("/proc/cpuinfo").read())
+        assert built.llmd_has_avx2() == cpu_profile.has("avx2")
+        # VNNI (the int8 dots in one instruction) where the profile allows it: this fixture then
+        # checks that build against the portable C, bit for bit.
+        assert built.llmd_has_vnni() == (cpu_profile.has("avx512_vnni") and cpu_profile.has("avx512vl")
+                                         or cpu_profile.has("avx_vnni"))
         return built
     portable = native.load(native.build(out_dir=tmp_path_factory.mktemp("native"), portable=True))
     assert not portable.llmd_has_avx2()

@@ -35,6 +35,17 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LLMD_AVX2 1
+/* VNNI (AVX512-VNNI with VL: AMD Zen 4+, Intel Ice Lake+ servers; AVX-VNNI: Intel Alder Lake+):
+ * one vpdpbusd adds four u8 x s8 products into each int32 lane, replacing maddubs + madd (+ add).
+ * The integer sums are exact either way (maddubs' int16 pairs never saturate here), so VNNI builds
+ * compute the same bits as the AVX2 and portable ones. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LLMD_VNNI 1
+#define dpbusd(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif defined(__AVXVNNI__)
+#define LLMD_VNNI 1
+#define dpbusd(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#endif
 #endif
 
 #define QK LLMD_QK
@@ -42,6 +53,14 @@
 
 int llmd_has_avx2(void) {
 #ifdef LLMD_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int llmd_has_vnni(void) {
+#ifdef LLMD_VNNI
     return 1;
 #else
     return 0;
@@ -138,6 +157,7 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
     const int64_t nb = K / QK;
 #ifdef LLMD_AVX2
     const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    (void)ones; /* unused by VNNI builds */
     __m256 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -145,20 +165,29 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
         const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + g * 8)));
         const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + g * 8)));
         const uint8_t *wb = wg + b * 128;
-        __m256i s16[MT];
-        for (int m = 0; m < mt; m++) s16[m] = _mm256_setzero_si256();
+        __m256i s[MT]; /* int32 sums (VNNI) or int16 pair sums (AVX2) per row of the group */
+        for (int m = 0; m < mt; m++) s[m] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * j));
             const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             for (int m = 0; m < mt; m++) {
                 const int8_t *x = xq + m * K + b * QK;
+                const __m256i xlo = _mm256_set1_epi32(load_i32(x + 4 * j)), xhi = _mm256_set1_epi32(load_i32(x + 4 * j + 16));
+#ifdef LLMD_VNNI
+                s[m] = dpbusd(dpbusd(s[m], lo, xlo), hi, xhi);
+#else
                 /* int16 sums of 8 products of <= 15 * 127: at most 30480, no overflow */
-                s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x + 4 * j))));
-                s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x + 4 * j + 16))));
+                s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(lo, xlo));
+                s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(hi, xhi));
+#endif
             }
         }
         for (int m = 0; m < mt; m++) {
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m], ones));
+#ifdef LLMD_VNNI
+            const __m256 dot = _mm256_cvtepi32_ps(s[m]);
+#else
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m], ones));
+#endif
             acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
             acc[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xm[m * nb + b]), acc[m]);
         }
@@ -198,6 +227,7 @@ static inline __attribute__((always_inline)) void q8x8_tile(const uint8_t *wg, c
     const int64_t nb = K / QK;
 #ifdef LLMD_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones; /* unused by VNNI builds */
     __m256 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -210,7 +240,11 @@ static inline __attribute__((always_inline)) void q8x8_tile(const uint8_t *wg, c
             const __m256i aw = _mm256_abs_epi8(w); /* maddubs is u8 x s8: |w| against x carrying w's sign */
             for (int m = 0; m < mt; m++) {
                 const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + m * K + b * QK + 4 * c)), w);
+#ifdef LLMD_VNNI
+                s32[m] = dpbusd(s32[m], aw, x);
+#else
                 s32[m] = _mm256_add_epi32(s32[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
+#endif
             }
         }
         for (int m = 0; m < mt; m++)
