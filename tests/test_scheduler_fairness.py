@@ -110,6 +110,31 @@ def test_budget_is_split_fairly_between_owners_over_many_steps(first_owner: Any)
         assert abs(total - 15 * 512 / 3) <= 15, f"owner of {owner}*: {total} of {15 * 512} tokens"
 
 
+def test_many_owners_take_turns_in_whole_chunks() -> None:
+    """32 clients, a 128-token prompt each, 512 tokens a step: about four whole prompts a step, so
+    first tokens come from the first step on (thin equal slices gave every client its first token
+    at once, in the ninth step); over a longer run every client gets the same service."""
+    sched = make_scheduler()
+    seqs = add_all(sched, [make_seq(f"s{i:02d}", 128, owner=f"client{i}", max_tokens=64) for i in range(32)])
+    first_token_step = {}
+    for n in range(1, 12):
+        step(sched)
+        for seq in seqs:
+            if seq.num_output_tokens and seq.request_id not in first_token_step:
+                first_token_step[seq.request_id] = n
+    steps = sorted(first_token_step.values())
+    assert len(steps) == 32 and steps[:4] == [1] * 4 and steps[15] <= 5 and steps[-1] <= 10, steps
+
+    sched = make_scheduler(max_num_batched_tokens=256)
+    add_all(sched, [make_seq(f"t{i}", 4000, owner=f"client{i}") for i in range(8)])
+    totals: dict[str, int] = {}
+    for _ in range(32):  # 8,192 tokens: two owners a step, each in turn
+        for rid, n in step(sched).items():
+            assert n == 128, f"a chunk of {n} tokens"
+            totals[rid] = totals.get(rid, 0) + n
+    assert sorted(totals.values()) == [1024] * 8, totals
+
+
 def test_waiting_request_that_does_not_fit_does_not_block_smaller_ones() -> None:
     sched = make_scheduler(num_blocks=20)  # 320 tokens
     holder = add_all(sched, [make_seq("holder", 200, max_tokens=10)])[0]  # 13 blocks, then 14

@@ -8,6 +8,11 @@ Each step spends one token budget; prompt chunks and decode tokens share one rag
    than an equal share gets all it needs, the others split the rest evenly. One client's long
    prompts cannot take the whole budget while another client has work: a short request that fits
    starts in the step after it arrives, however much is queued ahead of it.
+   When the budget cannot give every owner ``min_chunk_tokens``, owners take turns instead: those
+   not served since their work arrived, then the least recently served, get chunks of at least that size
+   this step, the others in the next ones. Thin slices for everyone would make every prompt finish
+   last (32 clients, 128-token prompts: all first tokens at once, after 11.6 s instead of from
+   0.5 s on) and cost each sequence's per-chunk overhead 32 times over.
 3. Each owner spends its share on its own work, shortest remainder first, so a long prompt is
    chunked behind short ones, not in front of them. A waiting request is admitted when its turn
    comes, if there is a slot and the blocks for its whole remaining prompt; a share an owner
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +61,8 @@ class SchedulerConfig:
             streaming client's time between tokens.
         lone_step_seconds: the same for one owner: what a request arriving meanwhile waits for the
             step in flight. None, for either: the token budget alone.
+        min_chunk_tokens: the smallest share of prompt work worth giving an owner in a step; when
+            the budget is too small for all of them, owners take turns (module docstring).
     """
 
     max_num_seqs: int = 64
@@ -62,9 +70,10 @@ class SchedulerConfig:
     max_model_len: int = 2048
     step_seconds: float | None = 0.2
     lone_step_seconds: float | None = 1.0
+    min_chunk_tokens: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "min_chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -130,6 +139,7 @@ class Scheduler:
         self._prompt_tokens_per_s: float | None = None
         self._num_prompt_tokens = 0  # in the step scheduled last
         self._scheduled_at = 0.0
+        self._served_at: dict[Any, float] = {}  # owner -> when it was last granted prompt work
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=_place)
@@ -155,6 +165,8 @@ class Scheduler:
             work += self.waiting
         work.sort(key=lambda s: (-s.priority, _num_left(s), s.timings.arrival))
         budget = min(budget, self._paced_tokens())
+        owners = {seq.owner for seq in work}
+        self._served_at = {o: t for o, t in self._served_at.items() if o in owners}
         grants: dict[Sequence, int] = {}
         for _, same_priority in itertools.groupby(work, key=lambda s: s.priority):
             queues: dict[Any, list[Sequence]] = {}  # owner -> its work, the next one last
@@ -182,9 +194,12 @@ class Scheduler:
         """Grant up to ``budget`` tokens to the owners' queues, max-min fairly between owners,
         admitting waiting sequences as their turn comes; returns the budget left."""
         while budget and queues:
-            demands = {owner: sum(_num_left(s) - grants.get(s, 0) for s in queue) for owner, queue in queues.items()}
+            demands = {owner: sum(_num_left(s) - grants.get(s, 0) for s in queues[owner])
+                       for owner in self._turn(queues, budget)}
+            now = time.monotonic()
             for owner, share in fair_shares(demands, budget).items():
                 queue = queues[owner]
+                self._served_at[owner] = now
                 while share and queue:
                     seq = queue[-1]
                     if seq.status is SequenceStatus.WAITING and not self._admit(seq):
@@ -199,6 +214,21 @@ class Scheduler:
                 if not queue:
                     del queues[owner]  # what it could not use is shared again among the rest
         return budget
+
+    def _turn(self, queues: dict[Any, list[Sequence]], budget: int) -> list[Any]:
+        """The owners to share ``budget`` between now: all of them if each can have
+        ``min_chunk_tokens``, else as many as can, least recently served first (one not served since
+        its work arrived before all others: a new client's first tokens come soonest), then the
+        shortest next piece of work, the earliest."""
+        room = max(1, budget // self.config.min_chunk_tokens)
+        if len(queues) <= room:
+            return list(queues)
+
+        def since(owner: Any) -> tuple[float, int, float]:
+            head = queues[owner][-1]
+            return self._served_at.get(owner, -math.inf), _num_left(head), head.timings.arrival
+
+        return sorted(queues, key=since)[:room]
 
     def _admit(self, seq: Sequence) -> bool:
         """Move a waiting sequence to running if there is a slot and the blocks for its whole
