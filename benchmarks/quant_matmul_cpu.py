@@ -1,8 +1,8 @@
 """CPU matmul speed on the default model's projection shapes: the native INT4/INT8 kernels (on int8
 activations, weights repacked 8 rows to a vector: ``native i4``/``native i8``, the latter also what
-the Q8_0 LM head runs on; on torch's packed int4 layout with bf16 activations, ``i4pack``) against
-torch's packed int4/int8 kernels (bf16 activations), the reference path (dequantise + matmul) and
-dense fp32 / bf16 matmuls.
+the Q8_0 LM head runs on) against torch's packed int4/int8 kernels (bf16 activations), the reference
+path (dequantise + matmul) and dense fp32 / bf16 matmuls. ``LLMD_CPU=avx2`` times the AVX2 build of
+ours (no VNNI) on a CPU that has more.
 
     .venv/bin/python benchmarks/quant_matmul_cpu.py [--rows 1 16 512]
 
@@ -47,7 +47,7 @@ def main() -> None:
     torch.manual_seed(0)
     native = quant_cpu.library() is not None
     print(f"threads {torch.get_num_threads()}, native kernels {'built' if native else 'UNAVAILABLE'}")
-    print(f"{'shape':>8} {'M':>4} | {'native i4':>9} {'native i8':>9} {'i4pack':>9} | "
+    print(f"{'shape':>8} {'M':>4} | {'native i4':>9} {'native i8':>9} | "
           f"{'torch i4':>9} {'torch i8':>9} | {'deq+mm':>9} {'fp32 mm':>9} {'bf16 mm':>9}   (us)")
     for name, k, n in SHAPES:
         w = torch.randn(n, k) * 0.05
@@ -57,7 +57,6 @@ def main() -> None:
         n4, n8 = (PackedWeight.from_int4(q4), PackedWeight.from_int8(q8)) if native else (None, None)
         packed4, sz = quant_cpu.pack_int4_for_cpu(q4)
         sz = sz.to(torch.bfloat16)
-        i4pack = (quant_cpu.int4pack_gemm_usable() and quant_cpu.int4pack_layout_known(packed4.shape[0], k, 32))
         wb = w.bfloat16()
         for m in args.rows:
             x = torch.randn(m, k)
@@ -65,8 +64,6 @@ def main() -> None:
             cols = {
                 "native i4": (lambda: n4(x)) if native else None,
                 "native i8": (lambda: n8(x)) if native else None,
-                "i4pack": (lambda: quant_cpu.int4pack_mm_bf16(xb, packed4, sz, packed4.shape[0], 32))
-                if i4pack and m <= 1024 else None,
                 "torch i4": lambda: quant_cpu.int4_mm_cpu(xb, packed4, 32, sz),
                 "torch i8": lambda: quant_cpu.int8_mm_cpu(xb, q8c.qweight, q8c.scales[:, 0]),
                 "deq+mm": lambda: x @ dequantize_int4(q4).T,
@@ -74,7 +71,7 @@ def main() -> None:
                 "bf16 mm": lambda: xb @ wb.T,
             }
             cells = [f"{timed(fn):9.0f}" if fn else f"{'-':>9}" for fn in cols.values()]
-            print(f"{name:>8} {m:>4} | {' '.join(cells[:3])} | {cells[3]} {cells[4]} | {' '.join(cells[5:])}")
+            print(f"{name:>8} {m:>4} | {' '.join(cells[:2])} | {cells[2]} {cells[3]} | {' '.join(cells[4:])}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from llmd.kernels import cpu_profile
 log = logging.getLogger("llmd")
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = ("quant_gemm.c", "int4pack_gemm.c", "paged_attention.c", "decode_step.c", "rope.c")
+SOURCES = ("quant_gemm.c", "paged_attention.c", "decode_step.c", "rope.c")
 LIB_NAME = "libllmd_cpu.so"
 # -ffp-contract=off: no fused multiply-adds the C did not ask for (rope.c rounds as torch does).
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
@@ -56,10 +56,6 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_decode_step": ([c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_void_p,
                           c_void_p], c_int),
     "llmd_rope": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_int, c_int], None),
-    "llmd_int4pack_gemm_vectorised": ([], c_int),
-    "llmd_int4pack_gemm_bf16": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_int],
-                                c_int),
-    "llmd_int4pack_to_bf16_t": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int], None),
     "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_float, c_void_p, c_int], None),
 }

@@ -1,15 +1,17 @@
 """CPU matmuls on INT4 / INT8 weights: the native kernels (kernels/cpu/quant_gemm.c) and torch's.
 
-The native kernels (any CPU with a C compiler; vectorised with AVX2) quantise the activations to
-int8 per block of 32 and take integer dot products, the way llama.cpp runs its Q4/Q8 formats, on
-weights repacked once at load so that eight output rows share each vector
-(:func:`repack_q4x8`, :func:`repack_q8x8`; :class:`PackedWeight` holds one and multiplies by it).
-:func:`qgemm_ref` is the same arithmetic in torch: the ground truth of the tests.
+The native kernels (any CPU with a C compiler; vectorised with AVX2, VNNI where the CPU has it)
+quantise the activations to int8 per block of 32 and take integer dot products, the way llama.cpp
+runs its Q4/Q8 formats, on weights repacked once at load so that eight output rows share each
+vector (:func:`repack_q4x8`, :func:`repack_q8x8`; :class:`PackedWeight` holds one and multiplies
+by it). :func:`qgemm_ref` is the same arithmetic in torch: the ground truth of the tests. They
+serve every dtype on every CPU: on an AVX512-BF16 CPU (2-core Zen 4, benchmarks/quant_matmul_cpu.py)
+the VNNI build ran 1.0-2.6x faster than torch's packed bf16 int4 kernels from 1 to 512 rows and as
+fast as a dense bf16 matmul at 512 rows (without expanding the weight), and bf16 models so take the
+one-call decode step too (one stream: 71 -> 192 tok/s there).
 
-On a CPU with native bf16 (AVX512-BF16, AMX), bf16 models take torch's packed weight-only kernels
-and ours on torch's int4 layout (kernels/cpu/int4pack_gemm.c) instead: measured faster there
-(benchmarks/quant_matmul_cpu.py). Without the library, layers dequantise and multiply (the
-reference path).
+Without the library, bf16 models on a CPU with native bf16 take torch's packed weight-only kernels
+(``packed``) and others dequantise and multiply (``reference``).
 """
 
 from __future__ import annotations
@@ -37,15 +39,15 @@ Q4X8, Q8X8 = 1, 2  # the C's enum llmd_weight_kind
 
 def cpu_path(dtype: torch.dtype, in_features: int, packed_ok: bool = True) -> str:
     """Which CPU matmul a quantised layer takes for activations of ``dtype``, fastest first:
-    ``packed`` (torch's layout and kernels, bf16 on a CPU with native bf16), ``native`` (ours:
-    any CPU with a C compiler; inputs a multiple of 32), else ``reference`` (dequantise, then a
-    dense matmul)."""
-    if packed_ok and packed_kernels_pay(dtype):
-        return "packed"
+    ``native`` (ours: any CPU with a C compiler; inputs a multiple of 32; every dtype),
+    ``packed`` (torch's layout and kernels, bf16 on a CPU with native bf16), else ``reference``
+    (dequantise, then a dense matmul)."""
     # NOTE: LLMD_NATIVE=0 is read here too, not only by library() (decided once per process), so
     # tests of the quantised weights themselves can pin the exact reference path.
     if in_features % QK == 0 and os.environ.get("LLMD_NATIVE", "1") != "0" and library() is not None:
         return "native"
+    if packed_ok and packed_kernels_pay(dtype):
+        return "packed"
     return "reference"
 
 
@@ -236,69 +238,6 @@ def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
         zeros = torch.cat((zeros, torch.zeros(pad, zeros.shape[1])))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     return packed, torch.stack((scales.t(), zeros.t()), dim=-1).contiguous()
-
-
-# From this many rows (long prompt chunks) a packed int4 weight is expanded to dense bf16 for the
-# matmul: torch's int4 kernel took ~14 ms per layer of SmolLM2 on 512 rows, a dense bf16 matmul ~5 ms.
-DENSE_ROWS = 256
-# Below DENSE_ROWS the native kernel on torch's packed layout (kernels/cpu/int4pack_gemm.c) is the
-# fastest. Medians of 7, in us, for a 3072x576 weight on this project's 2-core machines (a noisy
-# day; compare within a row): rows 1: 67 vs torch's kernel 107; 4: 132 vs 190; 8: 220 vs 374;
-# 16: 398 vs 724; 32: 781 vs 1438; 64: 906 vs expansion + dense 1087; 128 and up: even with it or
-# behind.
-
-
-def int4pack_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, k: int, group_size: int,
-                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """The dense bf16 weight that torch's int4 kernel multiplies by, transposed: ``[k, n]`` (``n``
-    padded as packed), so ``x @ it`` is the layer's matmul."""
-    out = torch.empty(k, n, dtype=torch.bfloat16)
-    sz = scales_and_zeros.to(torch.bfloat16).contiguous()
-    (lib or library()).llmd_int4pack_to_bf16_t(packed.data_ptr(), sz.data_ptr(), n, k, group_size, out.data_ptr(),
-                                               _threads())
-    return out
-
-
-def int4pack_gemm_usable() -> bool:
-    """Whether :func:`int4pack_mm_bf16` runs vectorised here (AVX512-BF16); its portable C build
-    computes the same bits, slowly, and is for tests."""
-    lib = library()
-    return lib is not None and bool(lib.llmd_int4pack_gemm_vectorised())
-
-
-def int4pack_mm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, n: int, group_size: int,
-                     lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x [M, K]`` (bf16, ``1 <= M <= 1024``) times an int4 weight in torch's packed layout (one
-    :func:`int4pack_layout_known` has confirmed), in the native library (kernels/cpu/int4pack_gemm.c):
-    ``[M, n]`` bf16 (``n`` padded as packed, a multiple of 64)."""
-    # NOTE: checks, not no-op .to()/.contiguous() calls: each of those is a dispatcher round trip.
-    if x.dtype != torch.bfloat16 or not x.is_contiguous():
-        x = x.to(torch.bfloat16).contiguous()
-    sz = scales_and_zeros
-    if sz.dtype != torch.bfloat16 or not sz.is_contiguous():
-        sz = sz.to(torch.bfloat16).contiguous()
-    m, k = x.shape
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    status = (lib or library()).llmd_int4pack_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), n,
-                                                        group_size, out.data_ptr(), _threads())
-    if status != 0:
-        raise MemoryError(f"the native int4 matmul could not run ({m}x{k} by {n}x{k}: out of memory?)")
-    return out
-
-
-@cache
-def int4pack_layout_known(n: int, k: int, group_size: int) -> bool:
-    """Whether :func:`int4pack_to_bf16_t` reads torch's packing of an ``[n, k]`` weight here: checked
-    once per shape against torch's own kernel (a multiplication by the identity gives each weight as
-    that kernel computes it), as its layout differs between torch's AVX2 and AVX-512 builds."""
-    if n % 64 or library() is None:
-        return False
-    g = torch.Generator().manual_seed(n + k)
-    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
-    sz = (torch.rand(k // group_size, n, 2, generator=g) - 0.5).to(torch.bfloat16)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    by_torch = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), packed, group_size, sz)
-    return torch.equal(int4pack_to_bf16_t(packed, sz, n, k, group_size), by_torch)
 
 
 def int4_mm_cpu(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor

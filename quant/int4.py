@@ -71,9 +71,8 @@ class Int4Linear(QuantizedLinear):
 
     :meth:`prepare` binds the matmul once, when the model is loaded: Triton on CUDA; on the CPU the
     path :func:`llmd.kernels.quant_cpu.cpu_path` picks: ``native`` (our kernels, the weight repacked
-    for them), ``packed`` (bf16 on a CPU with native bf16: torch's int4 layout, calls of 256+ rows
-    (long prompt chunks) expanding it to dense bf16 for the call, smaller ones taking our kernels on
-    that layout) or ``reference`` (dequantise, then multiply; also before ``prepare``). One layout
+    for them), ``packed`` (without our library, bf16 on a CPU with native bf16: torch's int4 layout
+    and kernel) or ``reference`` (dequantise, then multiply; also before ``prepare``). One layout
     is held: ours until ``prepare``, then the chosen kernel's.
     """
 
@@ -93,8 +92,6 @@ class Int4Linear(QuantizedLinear):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_path = "reference"  # set by prepare()
         self.native: quant_cpu.PackedWeight | None = None  # the `native` path's weight (its tensors are buffers)
-        self.cpu_dense_ok = False  # packed path: prompt chunks may expand torch's layout to dense bf16
-        self.cpu_gemm_ok = False  # packed path: calls under 256 rows may take our kernels on that layout
         # torch's CPU int4 layout, set by prepare() when that kernel is used.
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
@@ -141,9 +138,6 @@ class Int4Linear(QuantizedLinear):
         elif path == "packed":
             self.native = None
             self.cpu_packed, scales_and_zeros = quant_cpu.pack_int4_for_cpu(qw)
-            self.cpu_dense_ok = dtype == torch.bfloat16 and quant_cpu.int4pack_layout_known(
-                self.cpu_packed.shape[0], self.in_features, self.group_size)
-            self.cpu_gemm_ok = self.cpu_dense_ok and self.group_size % 32 == 0 and quant_cpu.int4pack_gemm_usable()
             self.cpu_scales_zeros = scales_and_zeros.to(dtype)
             self._matmul = self._packed_matmul
         elif path == "reference":
@@ -164,16 +158,8 @@ class Int4Linear(QuantizedLinear):
         return F.linear(x, dequantize_int4(self.weight()).to(x.dtype))
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: a decode step calls this 4 times a layer; each torch call skipped here (no-op
-        # .to(), reshapes, slices) is ~1 us of a ~15 ms step at one sequence.
-        sz, packed = self.cpu_scales_zeros, self.cpu_packed
-        if x.shape[0] >= quant_cpu.DENSE_ROWS and self.cpu_dense_ok:  # a prompt chunk
-            out = x.to(torch.bfloat16) @ quant_cpu.int4pack_to_bf16_t(packed, sz, packed.shape[0], self.in_features,
-                                                                      self.group_size)
-        elif self.cpu_gemm_ok:  # decode rows, a short chunk
-            out = quant_cpu.int4pack_mm_bf16(x, packed, sz, packed.shape[0], self.group_size)
-        else:
-            out = quant_cpu.int4_mm_cpu(x.to(sz.dtype), packed, self.group_size, sz)
+        sz = self.cpu_scales_zeros
+        out = quant_cpu.int4_mm_cpu(x.to(sz.dtype), self.cpu_packed, self.group_size, sz)
         return out if out.shape[1] == self.out_features else out[:, :self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
