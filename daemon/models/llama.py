@@ -225,7 +225,9 @@ class LlamaForCausalLM(nn.Module):
                         for m in layer.modules() if hasattr(m, "cpu_path")}
                        | {m.quant_scheme for layer in self.model.layers for m in layer.modules()
                           if hasattr(m, "quant_scheme")})  # bitsandbytes
-        names = {"native": "native int8-activation kernels", "packed": "torch's packed kernels (bf16)",
+        lib = quant_cpu.library()
+        vnni = " (VNNI)" if lib is not None and lib.llmd_has_vnni() else ""
+        names = {"native": f"native int8-activation kernels{vnni}", "packed": "torch's packed kernels (bf16)",
                  "reference": "dequantise + matmul", "cuda": "Triton"}
         out = {"projections": ", ".join(names.get(p, p) for p in paths) or f"dense {str(self.dtype)[6:]}",
                "decode": "one native call per step" if self.decode_step is not None else "layer by layer",
