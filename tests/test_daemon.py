@@ -233,7 +233,9 @@ def _pid_in_file(socket_dir: Path) -> int | None:
 
 def test_overloaded_and_injected_step_failure(model_dir, tmp) -> None:
     socket_dir = tmp / "faulty"
-    env = daemon_env(tmp, LLMD_FAULT_STEP="40")
+    # NOTE: the fault must come well after the next two requests arrive: at step 40 (~40 ms of tiny-model
+    # steps) a loaded CI machine once let it fire first, emptying the queue the overload check needs.
+    env = daemon_env(tmp, LLMD_FAULT_STEP="400")
     start_daemon(model_dir, socket_dir, "--max-num-seqs", "1", "--max-queue-len", "1", env=env)
     try:
         with Client(socket_dir) as c:
