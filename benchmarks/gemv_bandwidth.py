@@ -1,6 +1,7 @@
 """How close the one-row matmuls (a decode step of one sequence) come to the machine's memory
-bandwidth: the native INT4 kernel over all of the default model's projections (63 MiB, more than
-any L3 here, read in the order a decode step reads them) and the INT8 LM head (28 MiB), each call
+bandwidth: the native INT4 kernel on one large weight (64 MiB: the kernel alone), over all of the
+default model's projections (63 MiB, more than any L3 here, read in the order a decode step reads
+them: 120 small calls) and the INT8 LM head (29 MiB: within a 32 MiB L3 it reads faster than memory), each call
 on its own and inside the default model's one-call decode step (one sequence, a 16-token context,
 so the weights are nearly all it reads), against a plain streaming read of a 1 GiB buffer by as
 many threads, in one run.
@@ -70,11 +71,15 @@ def main() -> None:
     projections = [PackedWeight.from_int4(quantize_int4(torch.randn(n, k) * 0.02, 32)) for _ in range(30)
                    for n, k in LAYER]
     head = [PackedWeight.from_int8(quantize_int8(torch.randn(49152, 576) * 0.02, 32))]
+    large = [PackedWeight.from_int4(quantize_int4(torch.randn(16384, 8192) * 0.02, 32))]
     memory = read_bandwidth(args.repeat)
+    one = gemv_bandwidth(large, lib, args.repeat)
     int4 = gemv_bandwidth(projections, lib, args.repeat)
     int8 = gemv_bandwidth(head, lib, args.repeat)
     print(f"CPU profile {cpu_profile.describe()}, {torch.get_num_threads()} threads")
-    print(f"streaming read          {memory:6.1f} GB/s")
+    print(f"streaming read           {memory:6.1f} GB/s")
+    print(f"one int4 weight (1 row)  {one:6.1f} GB/s  {one / memory:5.0%} of the read bandwidth "
+          f"({large[0].nbytes / 2**20:.0f} MiB)")
     print(f"int4 projections (1 row) {int4:6.1f} GB/s  {int4 / memory:5.0%} of the read bandwidth "
           f"({sum(w.nbytes for w in projections) / 2**20:.0f} MiB)")
     print(f"int8 LM head (1 row)     {int8:6.1f} GB/s  {int8 / memory:5.0%} of the read bandwidth "
