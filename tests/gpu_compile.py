@@ -1,8 +1,16 @@
-"""Compile Triton kernels for a real GPU target without a GPU (the triton wheel ships ptxas).
+"""Compile Triton kernels for real GPU targets without a GPU (the triton wheel ships ptxas).
 
 The interpreter runs code the compiler would reject (tile sizes, dot shapes, dtypes), so each kernel
-test file also compiles its kernels for an A100 (sm_80) in a subprocess where TRITON_INTERPRET is
-unset: there, ``@triton.jit`` makes real JIT functions.
+test file also compiles its kernels for NVIDIA targets in a subprocess where TRITON_INTERPRET is
+unset: there, ``@triton.jit`` makes real JIT functions. The script gets these helpers:
+
+* ``compile_sm80(fn, signature, constexprs)`` / ``compile_for(fn, signature, constexprs, arch,
+  aligned)``: the compiled kernel for compute capability ``arch`` (75 Turing ... 90 Hopper);
+  ``aligned`` names the arguments the runtime sees 16-aligned (pointers from torch's allocator,
+  strides that are multiples of 16), which Triton specialises on: the kernel compiled with them is
+  the one that runs.
+* ``ptxas_report(kernel)``: ptxas's own count of registers per thread and spill bytes, with the
+  shared memory and whether the global loads are vectorised (``ld.global.v2/v4``).
 """
 
 from __future__ import annotations
@@ -12,22 +20,55 @@ import subprocess
 import sys
 from pathlib import Path
 
+ARCHS = (75, 80, 86, 89, 90)  # Turing, Ampere (A100, RTX 30), Ada (RTX 40), Hopper
+
 PRELUDE = """
+import re
+import subprocess
+import tempfile
+
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
+
+ARCHS = (75, 80, 86, 89, 90)
+
+
+def compile_for(fn, signature, constexprs, arch=80, aligned=()):
+    sig = dict(signature, **dict.fromkeys(constexprs, "constexpr"))
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32))
+    kernel.arch = arch
+    return kernel
 
 
 def compile_sm80(fn, signature, constexprs):
-    sig = dict(signature, **dict.fromkeys(constexprs, "constexpr"))
-    return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 80, 32))
+    return compile_for(fn, signature, constexprs, 80)
+
+
+def ptxas_report(kernel):
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/k.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(kernel.arch).path, "-v", f"--gpu-name={sm_arch_from_capability(kernel.arch)}",
+                              src, "-o", f"{tmp}/k.o"], capture_output=True, text=True, check=True).stderr
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, log)) else 0
+    return dict(name=kernel.name, arch=kernel.arch, registers=number(r"Used (\\d+) registers"),
+                spill_stores=number(r"(\\d+) bytes spill stores"), spill_loads=number(r"(\\d+) bytes spill loads"),
+                shared=kernel.metadata.shared, vector_loads=bool(re.search(r"ld\\.global(\\.\\w+)*\\.v[248]", ptx)),
+                byte_loads=bool(re.search(r"ld\\.global(\\.\\w+)*\\.[us]8", ptx)))
 """
 
 
-def compile_for_gpu(script: str, tmp_path: Path) -> None:
-    """Run ``script`` (which may call ``compile_sm80(fn, signature, constexprs)``, returning the
-    compiled kernel) in a fresh, non-interpreted process; fail with its stderr if it raises."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+def compile_for_gpu(script: str, tmp_path: Path) -> str:
+    """Run ``script`` (which may use the helpers above) in a fresh, non-interpreted process; fail
+    with its stderr if it raises. Returns what it printed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
+        "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
     result = subprocess.run([sys.executable, "-c", PRELUDE + script], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
