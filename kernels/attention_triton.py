@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmd.kernels.launch import next_power_of_2
+
 MIN_BLOCK = 16  # tl.dot needs every operand dimension >= 16
 # Tiles must fit in shared memory: 64 KiB on the smallest card targeted (Turing, sm_75), ~100 KiB on
 # consumer Ampere/Ada. The K/V tile is one KV block, so the block size and head_dim are capped,
@@ -297,7 +299,7 @@ def _check_query(query: torch.Tensor, k_cache: torch.Tensor) -> int:
 
 
 def _block_d(head_dim: int) -> int:
-    return max(MIN_BLOCK, triton.next_power_of_2(head_dim))
+    return max(MIN_BLOCK, next_power_of_2(head_dim))
 
 
 def _window(sliding_window: int | None) -> tuple[bool, int]:
@@ -325,7 +327,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
     )
 
 
@@ -381,12 +383,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         query.stride(0), query.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SLIDING=sliding,
-        BLOCK_G=max(MIN_BLOCK, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_size,
+        BLOCK_G=max(MIN_BLOCK, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_size,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d,
         )
     return out
 
@@ -394,7 +396,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def extend_block_m(max_query_len: int, dtype: torch.dtype) -> int:
     """Query rows per extend tile: the next power of two of the longest chunk, at least 16 and at
     most what fits in shared memory for ``dtype``."""
-    return min(EXTEND_MAX_BLOCK_M[dtype], max(MIN_BLOCK, triton.next_power_of_2(max_query_len)))
+    return min(EXTEND_MAX_BLOCK_M[dtype], max(MIN_BLOCK, next_power_of_2(max_query_len)))
 
 
 def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

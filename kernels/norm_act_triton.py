@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmd.kernels.launch import cdiv, next_power_of_2
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SILU_BLOCK = 1024  # columns per program of silu_mul
 
@@ -116,7 +118,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                              f"{tuple(residual.shape)} {residual.dtype}")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel():
-        block = triton.next_power_of_2(n)
+        block = next_power_of_2(n)
         _add_rms_norm_kernel[(x.shape[0],)](
             x, x if residual is None else residual, weight, out, n, eps, x.stride(0),
             0 if residual is None else residual.stride(0), out.stride(0),
@@ -148,8 +150,8 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         _rope_qk_kernel[(tokens,)](
             q, k, positions, inv_freq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             NUM_Q_HEADS=q.shape[1], NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,
-            BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-            BLOCK_HALF=triton.next_power_of_2(head_dim // 2))
+            BLOCK_QH=next_power_of_2(q.shape[1]), BLOCK_KH=next_power_of_2(k.shape[1]),
+            BLOCK_HALF=next_power_of_2(head_dim // 2))
     return q, k
 
 
@@ -162,6 +164,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel():
-        grid = (gate_up.shape[0], triton.cdiv(n, SILU_BLOCK))
+        grid = (gate_up.shape[0], cdiv(n, SILU_BLOCK))
         _silu_mul_kernel[grid](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4)
     return out

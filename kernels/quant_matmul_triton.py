@@ -23,12 +23,14 @@ Tested on the CPU with the Triton interpreter (``TRITON_INTERPRET=1``) against
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
+from llmd.kernels.launch import cdiv, next_power_of_2
 from llmd.quant.int4 import GROUP_SIZES as INT4_GROUP_SIZES
 
 KernelPath = Literal["gemv", "gemm"]
@@ -36,9 +38,15 @@ KernelPath = Literal["gemv", "gemm"]
 GEMV_MAX_M = 8  # rows up to which the GEMV kernel runs; beyond, a tensor-core tile is cheaper
 GEMV_BLOCK_N = 32  # small, so a decode step of a 4096-wide layer still launches 128 programs
 GEMV_MAX_BLOCK_K = 128
+GEMV_MIN_BLOCK_K = 32  # 16 bytes of an INT4 row: one 16-byte load per thread
+GEMV_DOT_BLOCK_M = 16  # the INT4 GEMV's rows 2..8 go through tl.dot, whose tiles have >= 16 rows
+# Programs a GEMV launch aims for: two per SM of the GPU (split-K makes up what the columns lack);
+# where there is no GPU (tests, the launch-count benchmark), an H100's 132 SMs.
+GEMV_PROGRAMS_PER_SM = 2
+DEFAULT_SMS = 132
 GEMM_BLOCK_N = 64
 GEMM_MAX_BLOCK_M = 64
-GEMM_MAX_BLOCK_K = 64
+GEMM_MAX_BLOCK_K = 32  # 64 spills registers on sm_75 (fp16) and in fp32 (tests/test_quant_triton.py)
 MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -48,6 +56,46 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _path_for(m: int) -> KernelPath:
     """The kernel the matmuls use for ``m`` rows of activations."""
     return "gemv" if m <= GEMV_MAX_M else "gemm"
+
+
+_sm_counts: dict[int, int] = {}
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _programs_wanted(device: torch.device) -> int:
+    if device.type != "cuda":
+        return GEMV_PROGRAMS_PER_SM * DEFAULT_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return GEMV_PROGRAMS_PER_SM * _sm_counts[index]
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Split-K arrival counters, one per column block, zero between launches (each launch's last
+    programs reset theirs). Grown, never shrunk: a decode step's sizes are all seen in the warm-up
+    run before any CUDA graph is captured."""
+    held = _arrival_counters.get(device)
+    if held is None or held.numel() < n:
+        held = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _arrival_counters[device] = held
+    return held
+
+
+@functools.lru_cache(maxsize=256)  # a model has a handful of shapes; a step asks ~120 times
+def gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_K, split)`` of the INT4 GEMV for an ``[n, k]`` weight: the largest K tile (<=
+    GEMV_MAX_BLOCK_K, dividing K) that still leaves enough tiles to fill the GPU, then as many
+    K splits as the column blocks need to reach :func:`_programs_wanted` programs."""
+    programs = _programs_wanted(device)
+    n_blocks = cdiv(n, GEMV_BLOCK_N)
+    block_k = GEMV_MAX_BLOCK_K
+    while k % block_k:
+        block_k //= 2
+    while block_k > GEMV_MIN_BLOCK_K and n_blocks * (k // block_k) < programs:
+        block_k //= 2
+    iters = k // block_k
+    return block_k, min(iters, max(1, cdiv(programs, n_blocks)))
 
 
 def _block_k(group_size: int, max_block_k: int) -> int:
@@ -60,29 +108,89 @@ def _block_k(group_size: int, max_block_k: int) -> int:
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, N, K,
-                      stride_xm, stride_xk, stride_om, stride_on,
-                      GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_gemv_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, part_ptr, count_ptr, M, N,
+                      stride_xm, stride_wn, stride_sn, stride_om, K_ITERS, SPLIT,
+                      GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NG: tl.constexpr, GH: tl.constexpr):
+    # A weight tile is BLOCK_N rows x NG groups x GH bytes (2 * GH elements) of each group: the
+    # bytes of a row are contiguous (one 16-byte load per thread where GH >= 16), and each
+    # (row, group) needs one scale and min. Byte i holds element 2i (low nibble) and 2i + 1 (high):
+    # the low nibbles multiply x's even elements, the high ones its odd elements.
+    BLOCK_K: tl.constexpr = NG * 2 * GH
+    BLOCK_KH: tl.constexpr = NG * GH
     pid_n = tl.program_id(0)
-    row = tl.program_id(1)
+    split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    n_groups = K // GROUP_SIZE
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides the group size, hence K: no K mask
-        k = k0 + offs_k
-        x = tl.load(x_ptr + row * stride_xm + k * stride_xk).to(tl.float32)
-        # Element k sits in byte k // 2, low nibble if k is even: each byte is loaded for both of
-        # its elements (the second load hits the cache), which keeps the tile in K order.
-        byte = tl.load(packed_ptr + offs_n[:, None] * (K // 2) + k[None, :] // 2, mask=mask_n[:, None], other=0)
-        q = (byte.to(tl.int32) >> ((k[None, :] % 2) * 4)) & 0xF
-        group = k0 // GROUP_SIZE  # the whole tile is in one group
-        scale = tl.load(scales_ptr + offs_n * n_groups + group, mask=mask_n, other=0.0).to(tl.float32)
-        min_ = tl.load(mins_ptr + offs_n * n_groups + group, mask=mask_n, other=0.0).to(tl.float32)
-        w = q.to(tl.float32) * scale[:, None] + min_[:, None]  # [BLOCK_N, BLOCK_K]
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + row * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    offs_g = tl.arange(0, NG)
+    tile_byte = offs_g[:, None] * GH + tl.arange(0, GH)[None, :]  # [NG, GH]: 0 .. BLOCK_KH - 1
+    w_ptrs = packed_ptr + offs_n[:, None, None] * stride_wn + tile_byte[None, :, :]
+    rows = tl.arange(0, BLOCK_M)
+    mask_m = rows < M
+    x_dtype = x_ptr.dtype.element_ty
+    if BLOCK_M == 1:
+        acc3 = tl.zeros((BLOCK_N, NG, GH), dtype=tl.float32)  # summed once, after the loop
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # This program's share of the K tiles (split-K: SPLIT programs per column block).
+    for it in range(split * K_ITERS // SPLIT, (split + 1) * K_ITERS // SPLIT):
+        k0 = it * BLOCK_K
+        byte = tl.load(w_ptrs + k0 // 2, mask=mask_n[:, None, None], other=0)
+        group = (k0 + offs_g * (2 * GH)) // GROUP_SIZE  # [NG]
+        s_ptrs = offs_n[:, None] * stride_sn + group[None, :]
+        scale = tl.load(scales_ptr + s_ptrs, mask=mask_n[:, None], other=0.0).to(tl.float32)[:, :, None]
+        min_ = tl.load(mins_ptr + s_ptrs, mask=mask_n[:, None], other=0.0).to(tl.float32)[:, :, None]
+        # Rounded to the activations' dtype, as the GEMM's tensor cores see them: a row's logits
+        # do not depend on the kernel its batch size picks.
+        lo = ((byte & 0xF).to(tl.float32) * scale + min_).to(x_dtype)
+        hi = ((byte >> 4).to(tl.float32) * scale + min_).to(x_dtype)
+        if BLOCK_M == 1:
+            x_even = x_ptr + k0 + 2 * tile_byte
+            xe = tl.load(x_even).to(tl.float32)
+            xo = tl.load(x_even + 1).to(tl.float32)
+            acc3 += lo.to(tl.float32) * xe[None, :, :] + hi.to(tl.float32) * xo[None, :, :]
+        else:  # 2..BLOCK_M rows: tensor cores, the rows padded to tl.dot's 16
+            kk = k0 + 2 * tl.arange(0, BLOCK_KH)
+            x_rows = x_ptr + rows[:, None] * stride_xm + kk[None, :]
+            xe = tl.load(x_rows, mask=mask_m[:, None], other=0.0)
+            xo = tl.load(x_rows + 1, mask=mask_m[:, None], other=0.0)
+            lo2 = tl.trans(tl.reshape(lo, (BLOCK_N, BLOCK_KH)))
+            hi2 = tl.trans(tl.reshape(hi, (BLOCK_N, BLOCK_KH)))
+            if x_dtype == tl.float32:  # as torch's fp32 matmul: full precision, not TF32
+                acc = tl.dot(xe, lo2, acc, input_precision="ieee")
+                acc = tl.dot(xo, hi2, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xe, lo2, acc)
+                acc = tl.dot(xo, hi2, acc)
+    if BLOCK_M == 1:
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
+    _store_split(acc, out_ptr, part_ptr, count_ptr, pid_n, split, SPLIT, rows, mask_m, offs_n, mask_n, N,
+                 stride_om, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_split(acc, out_ptr, part_ptr, count_ptr, pid_n, split, SPLIT, rows, mask_m, offs_n, mask_n, N,
+                 stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write a program's ``[BLOCK_M, BLOCK_N]`` sums: straight to the output without split-K; with
+    it, to this split's slice of ``part`` and, in the last of the column block's programs to
+    arrive, the sum of all slices in split order (deterministic) to the output. One launch, no
+    second reduction kernel. The arrival counter is reset for the next launch (CUDA graphs)."""
+    mask = mask_m[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part_ptrs = part_ptr + rows[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs + split * BLOCK_M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial sums are written before the arrival is counted
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, SPLIT):
+                # .cg: from L2, where the other programs' stores are, never a stale L1 line
+                total += tl.load(part_ptrs + s * BLOCK_M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
 @triton.jit
@@ -204,7 +312,7 @@ def _check_path(path: KernelPath | None, m: int) -> KernelPath:
 def _gemm_block_m(m: int) -> int:
     """Rows per GEMM tile: the next power of two of M within [16, GEMM_MAX_BLOCK_M], so a short
     prefill does not compute a mostly masked 64-row tile."""
-    return min(GEMM_MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(m)))
+    return min(GEMM_MAX_BLOCK_M, max(MIN_BLOCK, next_power_of_2(m)))
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -233,17 +341,34 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     if out.numel() == 0:
         return out
     if path == "gemv":
-        grid = (triton.cdiv(n, GEMV_BLOCK_N), m)
-        _int4_gemv_kernel[grid](x, packed, scales, mins, out, n, k, x.stride(0), x.stride(1),
-                                out.stride(0), out.stride(1), GROUP_SIZE=group_size, BLOCK_N=GEMV_BLOCK_N,
-                                BLOCK_K=_block_k(group_size, GEMV_MAX_BLOCK_K))
+        _int4_gemv(x, packed, scales, mins, group_size, out)
     else:
         block_m = _gemm_block_m(m)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, GEMM_BLOCK_N))
+        grid = (cdiv(m, block_m), cdiv(n, GEMM_BLOCK_N))
         _int4_gemm_kernel[grid](x, packed, scales, mins, out, m, n, k, x.stride(0), x.stride(1),
                                 out.stride(0), out.stride(1), GROUP_SIZE=group_size, BLOCK_M=block_m,
                                 BLOCK_N=GEMM_BLOCK_N, BLOCK_K=_block_k(group_size, GEMM_MAX_BLOCK_K))
     return out
+
+
+def _int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+               group_size: int, out: torch.Tensor) -> None:
+    """``out = x @ W^T`` for up to GEMV_MAX_M rows in one launch (more, in launches of
+    GEMV_DOT_BLOCK_M rows: only when tests force the GEMV)."""
+    (m, k), n = x.shape, packed.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_k, split = gemv_plan(n, k, x.device)
+    ng = max(1, block_k // group_size)  # groups per K tile (a tile smaller than a group lies in one)
+    n_blocks = cdiv(n, GEMV_BLOCK_N)
+    for start in range(0, m, GEMV_DOT_BLOCK_M):
+        rows = min(m - start, GEMV_DOT_BLOCK_M)
+        block_m = 1 if rows == 1 else GEMV_DOT_BLOCK_M
+        part = torch.empty((split, block_m, n) if split > 1 else (0,), dtype=torch.float32, device=x.device)
+        _int4_gemv_kernel[(n_blocks, split)](
+            x[start:], packed, scales, mins, out[start:], part, _counters(x.device, n_blocks), rows, n,
+            x.stride(0), packed.stride(0), scales.stride(0), out.stride(0), k // block_k, split,
+            GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, NG=ng, GH=block_k // ng // 2)
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, *,
@@ -277,13 +402,13 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
     if out.numel() == 0:
         return out
     if path == "gemv":
-        grid = (triton.cdiv(n, GEMV_BLOCK_N), m)
+        grid = (cdiv(n, GEMV_BLOCK_N), m)
         _int8_gemv_kernel[grid](x, qweight, scales, out, n, k, x.stride(0), x.stride(1),
                                 out.stride(0), out.stride(1), GROUP_SIZE=group_size, BLOCK_N=GEMV_BLOCK_N,
                                 BLOCK_K=block_k)
     else:
         block_m = _gemm_block_m(m)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, GEMM_BLOCK_N))
+        grid = (cdiv(m, block_m), cdiv(n, GEMM_BLOCK_N))
         _int8_gemm_kernel[grid](x, qweight, scales, out, m, n, k, x.stride(0), x.stride(1),
                                 out.stride(0), out.stride(1), GROUP_SIZE=group_size, BLOCK_M=block_m,
                                 BLOCK_N=GEMM_BLOCK_N, BLOCK_K=block_k)

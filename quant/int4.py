@@ -121,17 +121,16 @@ class Int4Linear(QuantizedLinear):
     def prepare(self, dtype: torch.dtype) -> None:
         """Once loaded: bind the fastest matmul for activations of ``dtype`` (see the class)."""
         if self.packed.device.type == "cuda":
-            from llmd.kernels.quant_matmul_triton import int4_matmul
-
-            self._matmul = lambda x: int4_matmul(x, self.packed, self.scales, self.mins, self.group_size)
+            self.use("triton")
         elif self.cpu_packed is None and self.native is None:
             self.use(quant_cpu.cpu_path(dtype, self.in_features), dtype)
 
     def use(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
         """Hold the weight for the CPU matmul ``path`` and bind it (:meth:`prepare` picks it; tests
-        force one). ``dtype``: the activations', for ``packed``."""
+        force one). ``dtype``: the activations', for ``packed``. ``triton``: the Triton kernels on
+        our layout, as on a GPU (on the CPU only under TRITON_INTERPRET=1: tests, benchmarks)."""
         qw = self.weight()
-        held = {"native": None, "packed": None, "reference": qw}
+        held = {"native": None, "packed": None, "reference": qw, "triton": qw}
         if path == "native":
             self.native = quant_cpu.PackedWeight.from_int4(qw)
             self._matmul = self.native
@@ -143,6 +142,9 @@ class Int4Linear(QuantizedLinear):
         elif path == "reference":
             self.native = None
             self._matmul = self._reference_matmul
+        elif path == "triton":
+            self.native = None
+            self._matmul = self._triton_matmul
         else:
             raise ValueError(f"unknown CPU matmul path {path!r}")
         self.cpu_path = path
@@ -156,6 +158,11 @@ class Int4Linear(QuantizedLinear):
 
     def _reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize_int4(self.weight()).to(x.dtype))
+
+    def _triton_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from llmd.kernels.quant_matmul_triton import int4_matmul
+
+        return int4_matmul(x, self.packed, self.scales, self.mins, self.group_size)
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         sz = self.cpu_scales_zeros

@@ -94,24 +94,24 @@ class Int8Linear(QuantizedLinear):
     def prepare(self, dtype: torch.dtype) -> None:
         """Once loaded: bind the fastest matmul for activations of ``dtype`` (see the class)."""
         if self.qweight.device.type == "cuda":
-            from llmd.kernels.quant_matmul_triton import int8_matmul
-
-            self._matmul = lambda x: int8_matmul(x, self.qweight, self.scales, self.group_size)
+            self.use("triton")
         elif self.native is None:
             self.use(quant_cpu.cpu_path(dtype, self.in_features, packed_ok=self.group_size == self.in_features))
 
     def use(self, path: str) -> None:
         """Hold the weight for the CPU matmul ``path`` and bind it (:meth:`prepare` picks it; tests
-        force one)."""
+        force one). ``triton``: the Triton kernels on our layout, as on a GPU (on the CPU only under
+        TRITON_INTERPRET=1: tests, benchmarks)."""
         qw = self.weight()
         if path == "native":
             self.native = quant_cpu.PackedWeight.from_int8(qw)
             self._matmul = self.native
             self.qweight, self.scales = (torch.empty(0, dtype=t.dtype) for t in (qw.qweight, qw.scales))
-        elif path in ("packed", "reference"):
+        elif path in ("packed", "reference", "triton"):
             self.native = None
             self.qweight, self.scales = qw.qweight, qw.scales
-            self._matmul = self._packed_matmul if path == "packed" else self._reference_matmul
+            self._matmul = {"packed": self._packed_matmul, "reference": self._reference_matmul,
+                            "triton": self._triton_matmul}[path]
         else:
             raise ValueError(f"unknown CPU matmul path {path!r}")
         self.cpu_path = path
@@ -120,6 +120,11 @@ class Int8Linear(QuantizedLinear):
 
     def _reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize_int8(self.weight()).to(x.dtype))
+
+    def _triton_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from llmd.kernels.quant_matmul_triton import int8_matmul
+
+        return int8_matmul(x, self.qweight, self.scales, self.group_size)
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return quant_cpu.int8_mm_cpu(x, self.qweight, self.scales[:, 0])

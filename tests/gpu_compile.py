@@ -10,7 +10,8 @@ unset: there, ``@triton.jit`` makes real JIT functions. The script gets these he
   strides that are multiples of 16), which Triton specialises on: the kernel compiled with them is
   the one that runs.
 * ``ptxas_report(kernel)``: ptxas's own count of registers per thread and spill bytes, with the
-  shared memory and whether the global loads are vectorised (``ld.global.v2/v4``).
+  shared memory, whether global loads are vectorised (``ld.global.v2/v4``) and whether any loads
+  single bytes (``ld.global.u8/b8``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def ptxas_report(kernel):
     return dict(name=kernel.name, arch=kernel.arch, registers=number(r"Used (\\d+) registers"),
                 spill_stores=number(r"(\\d+) bytes spill stores"), spill_loads=number(r"(\\d+) bytes spill loads"),
                 shared=kernel.metadata.shared, vector_loads=bool(re.search(r"ld\\.global(\\.\\w+)*\\.v[248]", ptx)),
-                byte_loads=bool(re.search(r"ld\\.global(\\.\\w+)*\\.[us]8", ptx)))
+                byte_loads=bool(re.search(r"ld\\.global(\\.(?!v[248]\\b)\\w+)*\\.[usb]8\\b", ptx)))
 """
 
 

@@ -40,7 +40,7 @@ def weight(n: int, k: int, group_size: int, g: torch.Generator) -> torch.Tensor:
 
 
 # (M, N, K, group size, symmetric, scales dtype, x dtype). Every M, group size, both N not a multiple of
-# any BLOCK_N, K = 96 and 160 (not multiples of the 64 GEMM BLOCK_K; INT4 picks BLOCK_K = 32 there).
+# any BLOCK_N, K = 96 and 160 (not multiples of the GEMV's 128-wide K tile: it falls back to 32 there).
 INT4_CASES = [
     (1, 100, 160, 32, False, torch.float32, torch.float32),
     (1, 72, 256, 128, True, torch.float16, torch.float16),
@@ -93,14 +93,16 @@ def test_int8_matmul_matches_reference(path: str, m: int, n: int, k: int, group_
 
 
 def test_bf16_activations_gemv() -> None:
-    # GEMV only: the interpreter multiplies the raw bits of bf16 tl.dot operands (triton-lang/triton
-    # issue 11584, "not supported yet"), so the GEMM's bf16 path can only be checked on a GPU.
+    # The GEMVs' paths without tl.dot only (INT4: one row; INT8: any): the interpreter multiplies the
+    # raw bits of bf16 tl.dot operands (triton-lang/triton issue 11584, "not supported yet"), so the
+    # GEMM's and the INT4 GEMV's 2..8-row bf16 paths can only be checked on a GPU (their fp16 and fp32
+    # twins run here).
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 128, generator=g).bfloat16()
     q4 = quantize_int4(weight(40, 128, 64, g), 64)
-    out = qmt.int4_matmul(x, q4.packed, q4.scales, q4.mins, 64, path="gemv")
+    out = qmt.int4_matmul(x[:1], q4.packed, q4.scales, q4.mins, 64, path="gemv")
     assert out.dtype == torch.bfloat16
-    assert rel_err(out, x.float() @ dequantize_int4(q4).T) < TOLERANCE[torch.bfloat16]
+    assert rel_err(out, x[:1].float() @ dequantize_int4(q4).T) < TOLERANCE[torch.bfloat16]
     q8 = quantize_int8(weight(40, 128, 128, g))
     out = qmt.int8_matmul(x, q8.qweight, q8.scales, q8.group_size, path="gemv")
     assert rel_err(out, x.float() @ dequantize_int8(q8).T) < TOLERANCE[torch.bfloat16]
@@ -151,25 +153,99 @@ def test_invalid_inputs_raise() -> None:
             qmt.int8_matmul(**args)
 
 
-# Each kernel compiled for an A100 (see gpu_compile.py): both tl.dot branches of the GEMMs (16-bit
-# tensor cores, IEEE fp32).
+def test_int4_gemv_split_k_is_deterministic_and_resets_its_counters() -> None:
+    """Split-K: the last program of a column block to arrive adds the splits in order, so two
+    launches agree bit for bit, and it zeroes the block's arrival counter for the next launch (a
+    counter left behind would make the next launch's sums come out of the wrong program)."""
+    g = torch.Generator().manual_seed(11)
+    qw = quantize_int4(weight(100, 512, 32, g), 32)
+    x = torch.randn(1, 512, generator=g)
+    block_k, split = qmt.gemv_plan(100, 512, x.device)
+    assert split > 1, "the test needs split-K"
+    first = qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 32, path="gemv")
+    assert int(qmt._counters(x.device, 1).abs().sum()) == 0
+    second = qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 32, path="gemv")
+    assert torch.equal(first, second)
+    assert rel_err(first, x @ dequantize_int4(qw).T) < TOLERANCE[torch.float32]
+
+
+def test_int4_gemv_without_split_k() -> None:
+    # 264 column blocks: enough programs without splitting K (the kernel's one-pass store).
+    n = qmt.GEMV_PROGRAMS_PER_SM * qmt.DEFAULT_SMS * qmt.GEMV_BLOCK_N
+    g = torch.Generator().manual_seed(12)
+    qw = quantize_int4(weight(n, 64, 64, g), 64)
+    assert qmt.gemv_plan(n, 64, torch.device("cpu"))[1] == 1
+    x = torch.randn(1, 64, generator=g)
+    out = qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 64, path="gemv")
+    assert rel_err(out, x @ dequantize_int4(qw).T) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 576), (3072, 576), (576, 1536)], ids=str)
+def test_int4_gemv_fills_the_gpu_for_the_default_models_projections(shape: tuple[int, int]) -> None:
+    """qkv, o, gate/up and down of SmolLM2-135M at one row: >= 2 programs per SM of an H100."""
+    n, k = shape
+    block_k, split = qmt.gemv_plan(n, k, torch.device("cpu"))
+    assert k % block_k == 0 and block_k >= qmt.GEMV_MIN_BLOCK_K
+    assert -(-n // qmt.GEMV_BLOCK_N) * split >= 2 * 132
+
+
+def test_int4_gemv_and_gemm_round_alike() -> None:
+    """Both round the dequantised weight to the activations' dtype (tensor cores see it so), so a
+    row's output barely depends on the batch size that picked the kernel: fp16 rows agree but for
+    the summation order and the output's rounding."""
+    g = torch.Generator().manual_seed(13)
+    qw = quantize_int4(weight(72, 256, 32, g), 32)
+    x = torch.randn(12, 256, generator=g).half()
+    gemm = qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 32, path="gemm")
+    for rows in (1, 5):
+        gemv = qmt.int4_matmul(x[:rows], qw.packed, qw.scales, qw.mins, 32, path="gemv")
+        assert rel_err(gemv, gemm[:rows].float()) < 2e-3
+
+
+# Every kernel compiled for every GPU generation (see gpu_compile.py) with the alignment the runtime
+# sees; 16-bit activations: fp16 everywhere, bf16 from sm_80 (Turing has no bf16 tensor cores and
+# runs fp16, llmd.daemon.device); fp32 once (the IEEE tl.dot branches). Both GEMV variants (one row;
+# 2..8 rows on tensor cores) with split-K, for the default model's group size (32) and 128.
 COMPILE_FOR_GPU = """
 import llmd.kernels.quant_matmul_triton as q
 
+ALIGNED_PTRS = ("x_ptr", "packed_ptr", "q_ptr", "scales_ptr", "mins_ptr", "out_ptr", "part_ptr", "count_ptr")
+def aligned(sig):
+    return [name for name in sig if name in ALIGNED_PTRS or name.startswith("stride_") or name in ("N", "K")]
+
+gemv4 = {"packed_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32",
+         "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32",
+         "K_ITERS": "i32", "SPLIT": "i32"}
 common = {"scales_ptr": "*fp16", "N": "i32", "K": "i32",
           "stride_xm": "i32", "stride_xk": "i32", "stride_om": "i32", "stride_on": "i32"}
 int4, int8 = dict(common, packed_ptr="*u8", mins_ptr="*fp16"), dict(common, q_ptr="*i8")
-gemv = dict(BLOCK_N=q.GEMV_BLOCK_N, BLOCK_K=q.GEMV_MAX_BLOCK_K)
 gemm = dict(BLOCK_M=16, BLOCK_N=q.GEMM_BLOCK_N, BLOCK_K=q.GEMM_MAX_BLOCK_K)
-kernels = [(q._int4_gemv_kernel, int4, dict(gemv, GROUP_SIZE=128), ["fp16"]),
-           (q._int8_gemv_kernel, int8, dict(gemv, GROUP_SIZE=4096), ["fp16"]),
-           (q._int4_gemm_kernel, dict(int4, M="i32"), dict(gemm, GROUP_SIZE=64), ["fp16", "fp32"]),
-           (q._int8_gemm_kernel, dict(int8, M="i32"), dict(gemm, GROUP_SIZE=64), ["fp16", "fp32"])]
-for fn, signature, constexprs, x_dtypes in kernels:
-    for x in x_dtypes:
-        compile_sm80(fn, dict(signature, x_ptr=f"*{x}", out_ptr=f"*{x}"), constexprs)
+kernels = [("int4 gemv 1 row g32", q._int4_gemv_kernel, gemv4,
+            dict(GROUP_SIZE=32, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
+           ("int4 gemv 1 row g128", q._int4_gemv_kernel, gemv4,
+            dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, NG=1, GH=64)),
+           ("int4 gemv 2-8 rows g32", q._int4_gemv_kernel, gemv4,
+            dict(GROUP_SIZE=32, BLOCK_M=q.GEMV_DOT_BLOCK_M, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
+           ("int8 gemv", q._int8_gemv_kernel, int8, dict(BLOCK_N=q.GEMV_BLOCK_N, BLOCK_K=q.GEMV_MAX_BLOCK_K,
+                                                         GROUP_SIZE=4096)),
+           ("int4 gemm", q._int4_gemm_kernel, dict(int4, M="i32"), dict(gemm, GROUP_SIZE=64)),
+           ("int8 gemm", q._int8_gemm_kernel, dict(int8, M="i32"), dict(gemm, GROUP_SIZE=64))]
+reports = []
+for arch in ARCHS:
+    for x in ["fp16"] + (["bf16"] if arch >= 80 else []) + (["fp32"] if arch == 80 else []):
+        for label, fn, signature, constexprs in kernels:
+            sig = dict(signature, x_ptr=f"*{x}", out_ptr=f"*{x}")
+            r = ptxas_report(compile_for(fn, sig, constexprs, arch, aligned(sig)))
+            print(label, x, r)
+            reports.append((label, x, r))
+for label, x, r in reports:
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (label, x, r)
+    assert r["shared"] <= 99 * 1024, (label, x, r)
+    if label.startswith("int4 gemv"):  # the packed bytes in 16-byte loads, never one by one
+        assert r["vector_loads"] and not r["byte_loads"], (label, x, r)
 """
 
 
-def test_kernels_compile_for_a_gpu(tmp_path: Path) -> None:
-    compile_for_gpu(COMPILE_FOR_GPU, tmp_path)
+def test_kernels_compile_for_every_gpu_generation(tmp_path: Path) -> None:
+    out = compile_for_gpu(COMPILE_FOR_GPU, tmp_path)
+    assert out.count("'registers'") == 6 * (5 + 4 + 1), out[-2000:]
