@@ -1,7 +1,7 @@
 """One-sequence generation over a contiguous KV cache.
 
-This is the simplest driver of the model: one sequence, its whole cache in a single "block", the
-same attention path the paged engine uses. The engine (daemon/engine) replaces it for serving; it
+This is the simplest driver of the model: one sequence, its cache one run of blocks in order (a
+token's slot is its position), the same attention path the paged engine uses. The engine (daemon/engine) replaces it for serving; it
 stays as the unpaged reference that equivalence tests compare the engine against.
 """
 
@@ -18,6 +18,9 @@ from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
 
 
+BLOCK_SIZE = 16  # tokens per KV block of a Generator's cache
+
+
 class Generator:
     """One prompt at a time, sampled by the engine's :class:`Sampler`."""
 
@@ -27,7 +30,10 @@ class Generator:
         self.device = model.model.embed_tokens.weight.device
 
     def _new_cache(self, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (1, num_tokens, self.config.num_kv_heads, self.config.head_dim)
+        # Blocks of BLOCK_SIZE in order, so a token's slot is its position: what every attention
+        # backend takes (Triton's needs 16 or 32 per block; one block of the whole prompt broke
+        # INT4 calibration on the GPU path).
+        shape = (-(-num_tokens // BLOCK_SIZE), BLOCK_SIZE, self.config.num_kv_heads, self.config.head_dim)
         return [(torch.empty(shape, dtype=self.model.dtype, device=self.device),
                  torch.empty(shape, dtype=self.model.dtype, device=self.device))
                 for _ in range(self.config.num_layers)]
@@ -36,7 +42,7 @@ class Generator:
         positions = torch.arange(start, start + len(token_ids), device=self.device)
         meta = AttentionMetadata(
             slot_mapping=positions, query_lens=[len(token_ids)], seq_lens=[start + len(token_ids)],
-            block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+            block_tables=torch.arange(cache[0][0].shape[0], device=self.device)[None, :],
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(ids, positions, cache, meta)

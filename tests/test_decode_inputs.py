@@ -11,12 +11,13 @@ import pytest
 import torch
 from tiny_models import make_hf_model, save_hf_model
 
-from llmd.daemon.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend
+from llmd.daemon.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
 from llmd.daemon.engine.decode_inputs import PAD_SLOT, DecodeInputs
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.sequence import Sequence
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
+from llmd.daemon.models.layer_ops import TritonLayerOps
 from llmd.kernels import native
 from llmd.quant.apply import QuantConfig
 
@@ -44,13 +45,16 @@ def sequences(lengths: list[int], first_block: int, seed: int) -> list[Sequence]
     return seqs
 
 
-def fresh_step(model, seqs: list[Sequence], caches) -> torch.Tensor:
-    """The same step built from scratch (no persistent buffers), as the flat path builds inputs."""
+def fresh_step(model, seqs: list[Sequence], caches, max_seq_len: int | None = None) -> torch.Tensor:
+    """The same step built from scratch (no persistent buffers), as the flat path builds inputs
+    (``max_seq_len``: instead of the longest sequence's)."""
     slots = [s.block_ids[s.num_computed_tokens // BLOCK] * BLOCK + s.num_computed_tokens % BLOCK for s in seqs]
     width = max(len(s.block_ids) for s in seqs)
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots), query_lens=[1] * len(seqs),
                              seq_lens=[s.num_computed_tokens + 1 for s in seqs],
                              block_tables=torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]))
+    if max_seq_len is not None:
+        meta.max_seq_len = max_seq_len
     ids = torch.tensor([s.token_ids[s.num_computed_tokens] for s in seqs])
     return model(ids, torch.tensor([s.num_computed_tokens for s in seqs]), caches, meta)
 
@@ -63,22 +67,32 @@ def random_caches(model, seed: int):
             for _ in range(cfg.num_layers)]
 
 
-@pytest.mark.parametrize("path", ["native step", "layer by layer"])
+@pytest.mark.parametrize("path", ["native step", "layer by layer", "gpu path"])
 def test_a_step_reads_only_its_buffers(model_dir: Path, path: str) -> None:
+    """"gpu path": what a CUDA graph captures (Triton attention, the fused layer kernels, the Triton
+    INT4 GEMV with split-K), under the interpreter."""
     if path == "native step" and native.library() is None:
         pytest.skip("no native library")
     backend = CpuAttentionBackend() if path == "native step" else TorchAttentionBackend()
     model = load_model(resolve_model(model_dir), quant=QuantConfig("int4"), attention=backend).model
+    if path == "gpu path":  # loaded with torch attention: its INT4 calibration is quicker than interpreted
+        model.attn_backend, model.layer_ops = TritonAttentionBackend(), TritonLayerOps()
+        model.use_triton_kernels()
     assert (model.decode_step is not None) == (path == "native step")
     # padding rows: the native step and Triton's KV write skip their slot; the torch reference's
     # write does not take them (CUDA graphs, which pad, require Triton attention)
-    padded = path == "native step"
+    padded = path != "layer by layer"
     inputs = DecodeInputs(max_rows=8, max_blocks=8, block_size=BLOCK, device=torch.device("cpu"), buckets=padded)
     first, second = sequences([5, 40, 17], 0, seed=1), sequences([70, 3, 33], 10, seed=2)
 
     ids, positions, meta = inputs.fill(first)
     assert ids.shape[0] == (4 if padded else 3)  # three sequences padded to a bucket of four
     caches = random_caches(model, 0)
+    # Triton's decode attention picks its split count from max_seq_len on the host: a graph is
+    # captured with the model's longest context (DecodeGraphs), and so is every step here.
+    fixed_max = 256 if path == "gpu path" else None
+    if fixed_max:
+        meta.max_seq_len = fixed_max
     model(ids, positions, caches, meta)  # the "capture": first's step
     stale = (list(meta.seq_lens), meta.max_seq_len)
 
@@ -88,7 +102,7 @@ def test_a_step_reads_only_its_buffers(model_dir: Path, path: str) -> None:
     before = [(k.clone(), v.clone()) for k, v in caches]
     reference_caches = [(k.clone(), v.clone()) for k, v in caches]
     replayed = model(ids, positions, caches, meta)[:3]
-    fresh = fresh_step(model, second, reference_caches)
+    fresh = fresh_step(model, second, reference_caches, fixed_max)
     assert torch.equal(replayed, fresh)
     for (k, v), (k0, v0), (kr, vr) in zip(caches, before, reference_caches):
         assert torch.equal(k, kr) and torch.equal(v, vr)  # the same KV written, the padding row's none

@@ -68,6 +68,51 @@ def test_triton_backend_matches_torch_backend(tmp_path: Path, model: str) -> Non
     assert backend.decode_steps > 0 and backend.split_decode_steps > 0
 
 
+def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
+    """Everything a GPU runs, under the interpreter: Triton attention, the fused norm/RoPE/SiLU
+    kernels and the Triton INT4 matmuls (GEMV with split-K for decode rows, GEMM for prompt chunks)
+    give the tokens of the torch reference on the same INT4 weights (dequantise + matmul, torch
+    attention and layer ops). fp32: the interpreter cannot run bf16 tl.dot (test_quant_triton.py).
+    qwen2: GQA, qkv bias, tied head; 4 requests, two sharing a prefix (the interpreter is slow)."""
+    from llmd.daemon.models.layer_ops import TorchLayerOps, TritonLayerOps
+    from llmd.quant.apply import QuantConfig
+
+    model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
+    requests = make_requests(seed=3)[:4]
+    config = dict(num_blocks=96, block_size=16, max_num_batched_tokens=24)
+    quant = QuantConfig("int4", 32)
+    reference = make_engine(model_dir, attention=TorchAttentionBackend(), quant=quant, **config)
+    for module in reference.model.modules():
+        if hasattr(module, "cpu_path"):
+            module.use("reference")
+    reference.model.head_q8, reference.model.decode_step = None, None
+    expected = run_engine(reference, requests)
+
+    # Loaded as the reference was (its INT4 calibration through interpreted Triton attention would
+    # triple the test's time; test_generator_on_the_triton_backend covers that path), then switched.
+    gpu = make_engine(model_dir, attention=TorchAttentionBackend(), quant=quant, **config)
+    gpu.model.attn_backend, gpu.model.layer_ops = TritonAttentionBackend(), TritonLayerOps()
+    gpu.model.use_triton_kernels()
+    assert isinstance(gpu.model.layer_ops, TritonLayerOps) and isinstance(reference.model.layer_ops, TorchLayerOps)
+    assert {m.cpu_path for m in gpu.model.modules() if hasattr(m, "cpu_path")} == {"triton"}
+    assert run_engine(gpu, requests) == expected
+
+
+def test_generator_on_the_triton_backend(tmp_path: Path) -> None:
+    """The one-sequence Generator (INT4 calibration at load, `llmd bench` perplexity) on the Triton
+    backend: its cache is blocks of 16 (one block of the whole prompt was refused), and its logits
+    are the torch backend's."""
+    from llmd.daemon.generate import Generator
+
+    model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    triton_model = make_engine(model_dir, attention=TritonAttentionBackend()).model
+    torch_model = make_engine(model_dir, attention=TorchAttentionBackend()).model
+    got, want = Generator(triton_model).logits(prompt), Generator(torch_model).logits(prompt)
+    assert got.shape == (40, triton_model.config.vocab_size)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_triton_backend_refuses_small_blocks(tmp_path: Path) -> None:
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "m", with_tokenizer=True)
     with pytest.raises(ValueError, match="need a block size of 16 or 32, got 8; use --attention torch"):

@@ -165,16 +165,18 @@ def gguf_tensor_offset_position(path: Path, tensor_name: str) -> int:
     return int(offset_part.ctypes.data - reader.data.ctypes.data)
 
 
-def make_engine(model_dir: Path, attention: Any = None, **config: Any) -> Any:
+def make_engine(model_dir: Path, attention: Any = None, quant: Any = None, dtype: torch.dtype = torch.float32,
+                **config: Any) -> Any:
     """An :class:`LLMEngine` over a saved model directory (tokenizer files included); attention on
-    the torch reference unless ``attention`` (a backend) says otherwise."""
+    the torch reference unless ``attention`` (a backend) says otherwise; dense fp32 unless ``quant``
+    (a QuantConfig) and ``dtype`` say otherwise."""
     from llmd.daemon.engine.engine import EngineConfig, LLMEngine
     from llmd.daemon.loader import load_model
     from llmd.daemon.model_source import resolve_model
     from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
 
     source = resolve_model(model_dir)
-    loaded = load_model(source, attention=attention)
+    loaded = load_model(source, dtype=dtype, quant=quant, attention=attention)
     tokenizer = load_tokenizer(source)
     return LLMEngine(loaded.model, tokenizer, EngineConfig(**config),
                      eos_token_ids=stop_token_ids(tokenizer, loaded.config))

@@ -51,6 +51,11 @@ class DecodeInputs:
         self._query_start = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, AttentionMetadata]] = {}
 
+    @property
+    def num_buffers(self) -> int:
+        """The host buffers; on a GPU :meth:`fill` copies each to the device once per step."""
+        return len(self._host)
+
     def rows_for(self, num_seqs: int) -> int:
         """Rows a step of ``num_seqs`` sequences runs: itself, or its bucket."""
         if num_seqs < 1 or num_seqs > self.max_rows:

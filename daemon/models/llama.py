@@ -24,7 +24,8 @@ from torch import nn
 
 from llmd.daemon.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmd.daemon.config import ModelConfig
-from llmd.daemon.models.layers import Linear, LinearFactory, RMSNorm, RotaryEmbedding, apply_rope, dense_linear
+from llmd.daemon.models.layer_ops import LayerOps, Rotate, layer_ops_for
+from llmd.daemon.models.layers import Linear, LinearFactory, RMSNorm, RotaryEmbedding, dense_linear
 from llmd.errors import WeightMismatchError
 from llmd.kernels import cpu_profile, decode_cpu, quant_cpu
 from llmd.kernels.decode_cpu import DecodeStep
@@ -55,10 +56,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-        meta: AttentionMetadata, backend: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotate: Rotate, kv_cache: KVCache, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -66,7 +65,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rotate(q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -80,9 +79,8 @@ class MLP(nn.Module):
                                         False, dtype)
         self.down_proj = make_linear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -94,11 +92,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, layer_idx, dtype, make_linear)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-        meta: AttentionMetadata, backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotate: Rotate, kv_cache: KVCache,
+        meta: AttentionMetadata, backend: AttentionBackend, ops: LayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous layer's MLP output (the embeddings for the first layer, with
+        ``residual=None``); returns this layer's MLP output and the residual stream before it (see
+        llmd.daemon.models.layer_ops: the adds are fused into the norms)."""
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm)
+        h = self.self_attn(h, rotate, kv_cache, meta, backend)
+        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -148,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.attn_backend = attn_backend or TorchAttentionBackend()
+        # The norms, RoPE and SiLU: fused Triton kernels on the Triton path, torch elsewhere.
+        self.layer_ops = layer_ops_for(self.attn_backend.name)
         self.model = LlamaModel(config, dtype, make_linear)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -180,10 +185,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                         meta: AttentionMetadata) -> torch.Tensor:
-        cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
+        ops = self.layer_ops
+        rotate = ops.rotation(positions, self.model.rotary_emb, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, self.attn_backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rotate, kv_cache, meta, self.attn_backend, ops)
+        return ops.add_rms_norm(x, residual, self.model.norm)[0]
 
     def _forward_mixed(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                        meta: AttentionMetadata) -> torch.Tensor:
@@ -237,6 +244,17 @@ class LlamaForCausalLM(nn.Module):
         if device == "cpu":
             out["cpu_profile"] = cpu_profile.describe()
         return out
+
+    def use_triton_kernels(self) -> None:
+        """Bind what loading on a GPU binds, on whatever device the model is: the projections on the
+        Triton INT4/INT8 matmuls, the LM head dense, no native decode step. On the CPU only under
+        TRITON_INTERPRET=1, to test and count the GPU path here (tests, benchmarks/decode_launches.py);
+        the attention backend is the caller's (Triton, for the whole GPU path)."""
+        for module in self.modules():
+            if hasattr(module, "cpu_path") and hasattr(module, "use"):  # llmd.quant's INT4/INT8 layers
+                module.use("triton")
+        self.head_q8 = None
+        self.decode_step = None
 
     def prepare_head(self) -> None:
         """Once loaded: hold the head's Q8_0 blocks for the native INT8 matmul
