@@ -69,6 +69,34 @@ def test_penalties() -> None:
     assert Sampler()(logits, [pres]).token_ids == [0]  # 2.0 - 0.05 > 1.9: presence counts once
 
 
+def test_penalties_in_a_batch_apply_to_their_own_rows() -> None:
+    """Penalties are scattered for all rows at once: each row's own tokens, nobody else's; rows
+    without penalties and greedy/sampled rows side by side keep theirs (one argmax for all)."""
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]] * 4)
+    reqs = [SampleRequest(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [], None),     # -> 1
+            SampleRequest(SamplingParams(temperature=0, frequency_penalty=0.3), [], [1, 0, 0], None),  # -> 1
+            SampleRequest(SamplingParams(temperature=0), [0, 1], [0, 0, 0], None),                    # -> 0
+            SampleRequest(SamplingParams(temperature=1.0, top_k=1, presence_penalty=2.0), [], [0], None)]  # -> 1
+    for _ in range(20):
+        assert Sampler()(logits, reqs).token_ids == [1, 1, 0, 1]
+
+
+def test_logprobs_of_a_mixed_batch() -> None:
+    """Rows that asked for log-probabilities get theirs (their own top-n), the others None."""
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]])
+    reqs = [SampleRequest(SamplingParams(temperature=0, logprobs=1), [], [], None),
+            SampleRequest(SamplingParams(temperature=0), [], [], None),
+            SampleRequest(SamplingParams(temperature=1.0, top_k=1, logprobs=3), [], [], None)]
+    res = Sampler()(logits, reqs)
+    assert res.token_ids == [1, 0, 2] and res.logprobs[1] is None
+    ref = torch.log_softmax(logits, dim=-1)
+    chosen, top = res.logprobs[0]
+    assert chosen == pytest.approx(float(ref[0, 1])) and [t for t, _ in top] == [1]
+    chosen, top = res.logprobs[2]
+    assert chosen == pytest.approx(float(ref[2, 2])) and len(top) == 3 and top[0][0] == 2
+    assert top[1][1] == pytest.approx(float(ref[2, 0]))
+
+
 def test_logprobs_are_the_models_own() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
     res = Sampler()(logits, rows(SamplingParams(temperature=0, logprobs=2)))

@@ -34,13 +34,26 @@ class SampleResult:
 
 
 class Sampler:
+    """NOTE: on a GPU a step reads the device once, for the chosen ids (and their log-probabilities
+    in the same copy when asked for): penalties are scattered from one index list, greedy and
+    sampled rows race in one argmax, so nothing in here waits for the GPU but that read."""
+
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """Pick one token per row of ``logits`` ``[B, V]`` (fp32)."""
-        raw_logprobs = self._raw_logprobs(logits, rows)
+        raw = logits  # log-probabilities are the model's own: before penalties and temperature
         logits = self._apply_penalties(logits, rows)
-        greedy_tokens = argmax_rows(logits)
-        if all(r.params.greedy for r in rows):
-            return self._result(greedy_tokens, raw_logprobs, rows)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = argmax_rows(logits)
+        else:
+            scores = self._race(logits, rows)
+            if any(greedy):  # greedy rows race on their logits: the same one argmax picks theirs
+                scores = torch.where(host_tensor(greedy, torch.bool, logits.device)[:, None], logits, scores)
+            tokens = argmax_rows(scores)
+        return SampleResult(tokens, self._logprobs(raw, tokens, rows))
+
+    def _race(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        """``p / E`` per row (temperature, top-k, top-p, min-p applied), whose argmax is a draw."""
         device = logits.device
         temperature = host_tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], torch.float32,
                                   device)
@@ -53,41 +66,59 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, r in enumerate(rows):
             noise[i].exponential_(generator=r.generator)
-        sampled = argmax_rows(probs / noise)
-        return self._result([g if r.params.greedy else t for g, t, r in zip(greedy_tokens, sampled, rows)],
-                            raw_logprobs, rows)
+        return probs / noise
 
     @staticmethod
-    def _raw_logprobs(logits: torch.Tensor, rows: list[SampleRequest]) -> list[torch.Tensor | None]:
-        # NOTE: log-probabilities of the model's own distribution, before penalties and temperature
-        # (what vLLM and OpenAI report).
-        return [None if r.params.logprobs is None else torch.log_softmax(logits[i], dim=-1)
-                for i, r in enumerate(rows)]
-
-    @staticmethod
-    def _result(tokens: list[int], raw: list[torch.Tensor | None], rows: list[SampleRequest]) -> SampleResult:
-        logprobs = [None if lp is None else top_logprobs(lp, tok, r.params.logprobs)
-                    for tok, lp, r in zip(tokens, raw, rows)]
-        return SampleResult(tokens, logprobs)
+    def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRequest]
+                  ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """Per row that asked: (logprob of its token, its top-n), all rows read in one copy."""
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not wanted:
+            return [None] * len(rows)
+        device = raw.device
+        picked = raw if len(wanted) == len(rows) else raw[host_tensor(wanted, torch.long, device)]
+        logprobs = torch.log_softmax(picked, dim=-1)
+        chosen = logprobs.gather(1, host_tensor([tokens[i] for i in wanted], torch.long, device)[:, None])
+        n = max(rows[i].params.logprobs for i in wanted)
+        values, ids = logprobs.topk(n, dim=-1)
+        # ids as floats: exact below 2^24, far above any vocabulary
+        read = torch.cat([chosen, values, ids.to(torch.float32)], dim=1).tolist()
+        out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(rows)
+        for line, i in zip(read, wanted):
+            k = rows[i].params.logprobs
+            out[i] = (line[0], [(int(t), v) for t, v in zip(line[1 + n:1 + n + k], line[1:1 + k])])
+        return out
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        if all(r.params.repetition_penalty == 1 and r.params.presence_penalty == 0
-               and r.params.frequency_penalty == 0 for r in rows):
+        """Repetition (on every token seen, prompt included), frequency and presence penalties (on
+        the output's tokens), for all rows at once: one index list each, scattered on the device."""
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1]
+        counted = [i for i, r in enumerate(rows)
+                   if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+        if not rep and not counted:
             return logits
-        logits = logits.clone()
-        vocab = logits.shape[-1]
-        for i, r in enumerate(rows):
-            p = r.params
-            if p.repetition_penalty != 1:
-                seen = host_tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), torch.long,
-                                   logits.device)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-                counts = torch.bincount(host_tensor(r.output_token_ids, torch.long, logits.device), minlength=vocab)
-                counts = counts[:vocab].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        batch, vocab = logits.shape
+        device = logits.device
+
+        def per_row(values: list[float]) -> torch.Tensor:
+            return host_tensor(values, torch.float32, device)[:, None]
+
+        if rep:
+            flat = [i * vocab + t for i in rep for t in set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)
+                    if t < vocab]
+            seen = torch.zeros(batch * vocab, dtype=torch.bool, device=device)
+            seen[host_tensor(flat, torch.long, device)] = True
+            penalty = per_row([r.params.repetition_penalty for r in rows])
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen.view(batch, vocab), penalised, logits)
+        if counted:
+            flat = [i * vocab + t for i in counted for t in rows[i].output_token_ids if t < vocab]
+            index = host_tensor(flat, torch.long, device)
+            counts = torch.zeros(batch * vocab, dtype=logits.dtype, device=device)
+            counts = counts.scatter_add_(0, index, torch.ones_like(index, dtype=logits.dtype)).view(batch, vocab)
+            logits = (logits - per_row([r.params.frequency_penalty for r in rows]) * counts
+                      - per_row([r.params.presence_penalty for r in rows]) * (counts > 0).to(logits.dtype))
         return logits
 
     @staticmethod
