@@ -171,10 +171,12 @@ def main() -> None:
 
     from llmd import LLM
     from llmd.daemon.models.layer_ops import TorchLayerOps, TritonLayerOps
+    from llmd.kernels import rope_cpu
 
     llm = LLM(args.model, device="cpu", dtype=args.dtype, attention="triton")
     model = llm.engine.model
     model.use_triton_kernels()
+    rope_cpu.usable = lambda *args: False  # the torch layers' RoPE as on a GPU, not the native CPU kernel
     layers = model.config.num_layers
     print(f"{layers} layers, {args.dtype}; Triton kernels counted, not run; est. us = host us + "
           f"{args.launch_us:g} us x launches")
