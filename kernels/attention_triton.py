@@ -130,7 +130,7 @@ def _load_kv_block(k_cache_ptr, v_cache_ptr, block_table_ptr, blk, kv_head, seq_
     return k, v, k_pos
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes step by step
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
                    scale_log2, window,
                    stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
@@ -204,7 +204,7 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh,
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes step by step
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
                    scale_log2, window,
                    stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,

@@ -4,18 +4,26 @@ The weights stay in the formats of ``llmd.quant`` (``int4.py``, ``int8.py``); ea
 dequantised in registers (``w = q * scale + min`` for INT4, ``w = q * scale`` for INT8, in fp32)
 and multiplied with fp32 accumulation. Two kernels per format:
 
-* GEMV (decode, ``M <= GEMV_MAX_M``): one program per ``(BLOCK_N outputs, row)``, a loop over K
-  and a ``tl.sum`` reduction, all in fp32. Decode is memory-bound: the weight bytes are the cost,
-  and the rows of a small batch read the same weight tiles, mostly from L2 after the first row.
+* INT4 GEMV (decode, ``M <= GEMV_MAX_M``): every row in one program, which reads each weight tile
+  once. Decode is memory-bound, so the tile's packed bytes come in 16-byte loads, and the low and
+  high nibbles multiply x's even and odd elements (no byte is read twice). One row accumulates
+  elementwise in fp32 and reduces once after the loop; 2..8 rows use ``tl.dot`` (tensor cores)
+  with the rows padded to 16. When the output columns give fewer than ``GEMV_PROGRAMS_PER_SM``
+  programs per SM, K is split among programs; the last program of a column block to finish adds
+  the splits in a fixed order (deterministic, in the same launch). The dequantised weights are
+  rounded to the activations' dtype, as the GEMM's tensor cores see them, so a row's result
+  barely depends on which kernel its batch size picked.
+* INT8 GEMV: one program per ``(BLOCK_N outputs, row)``, a loop over K and a ``tl.sum``.
 * GEMM (prefill): ``BLOCK_M x BLOCK_N`` output tiles, a loop over K in ``BLOCK_K`` steps and
   ``tl.dot`` on the dequantised tile cast to the activations' dtype (tensor cores for fp16/bf16;
   fp32 activations get an IEEE fp32 dot, as torch's fp32 matmul, not TF32).
 
-Block sizes are untuned defaults (this project has no GPU to autotune on): ``BLOCK_K`` always
-divides the group size, so a K tile never straddles a group and needs one scale (and min) per
-output column, loaded once per tile. For INT4 (groups of 32/64/128) that also makes K, a multiple
-of the group size, a multiple of ``BLOCK_K``, so INT4 needs no K mask. INT8 per output channel
-(one group of K, any K) masks K instead.
+Block sizes are untuned defaults (this project has no GPU to autotune on). The GEMMs' and the INT8
+GEMV's ``BLOCK_K`` divides the group size, so a K tile lies in one group and needs one scale (and
+min) per output column; the INT4 GEMV's K tile may span several groups (it loads a scale per
+group). For INT4 (groups of 32/64/128) K is a multiple of every tile, so INT4 needs no K mask. INT8
+per output channel (one group of K, any K) masks K instead. Register use, spills, shared memory
+and load widths are checked for sm_75 to sm_90 in tests/test_quant_triton.py.
 
 Tested on the CPU with the Triton interpreter (``TRITON_INTERPRET=1``) against
 ``x.float() @ dequantize_int{4,8}(w).T``.
@@ -107,7 +115,7 @@ def _block_k(group_size: int, max_block_k: int) -> int:
     return block_k
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes step by step
 def _int4_gemv_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, part_ptr, count_ptr, M, N,
                       stride_xm, stride_wn, stride_sn, stride_om, K_ITERS, SPLIT,
                       GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -193,7 +201,7 @@ def _store_split(acc, out_ptr, part_ptr, count_ptr, pid_n, split, SPLIT, rows, m
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes step by step
 def _int4_gemm_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, M, N, K,
                       stride_xm, stride_xk, stride_om, stride_on,
                       GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -248,7 +256,7 @@ def _int8_gemv_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, N, K,
     tl.store(out_ptr + row * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes step by step
 def _int8_gemm_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, M, N, K,
                       stride_xm, stride_xk, stride_om, stride_on,
                       GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
