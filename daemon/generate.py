@@ -1,8 +1,9 @@
 """One-sequence generation over a contiguous KV cache.
 
 This is the simplest driver of the model: one sequence, its cache one run of blocks in order (a
-token's slot is its position), the same attention path the paged engine uses. The engine (daemon/engine) replaces it for serving; it
-stays as the unpaged reference that equivalence tests compare the engine against.
+token's slot is its position), the same attention path the paged engine uses. The engine
+(daemon/engine) replaces it for serving; it stays as the unpaged reference that equivalence tests
+compare the engine against.
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ class SampleResult:
 
 
 class Sampler:
-    """NOTE: on a GPU a step reads the device once, for the chosen ids (and their log-probabilities
-    in the same copy when asked for): penalties are scattered from one index list, greedy and
-    sampled rows race in one argmax, so nothing in here waits for the GPU but that read."""
+    """NOTE: on a GPU a step reads the device once, for the chosen ids, and once more, for every
+    row's log-probabilities together, when any row asks for them: penalties are scattered from one
+    index list and greedy and sampled rows race in one argmax, so nothing else waits for the GPU."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """Pick one token per row of ``logits`` ``[B, V]`` (fp32)."""

@@ -74,7 +74,6 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, make_linear: LinearFactory) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}.mlp"
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = make_linear(f"{prefix}.gate_up_proj", config.hidden_size, 2 * config.intermediate_size,
                                         False, dtype)
         self.down_proj = make_linear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, False, dtype)
