@@ -24,7 +24,7 @@ HAS_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo yes)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.llmd-setup
 
-.PHONY: setup run ask test clean
+.PHONY: setup run ask test gpu-report clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,17 @@ test: setup
 		$(AVX2_ENV) $(VENV)/bin/pytest -m "not profile_independent" $(CPU_TESTS); rc=$$?; \
 	fi; \
 	exit $$rc
+
+# For GPU owners (nothing in llmd has run on a GPU yet): the GPU test set, every Triton kernel and
+# the engine on the device against the CPU, then a throughput run. Needs a CUDA build of torch
+# (make setup TORCH_SPEC='torch>=2.4'). Paste the whole output into an issue.
+gpu-report: setup
+	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit(\"make gpu-report: torch sees no CUDA device (torch \" + torch.__version__ + \"); on an NVIDIA machine: rm -rf .venv; make setup TORCH_SPEC='torch>=2.4'\")"
+	@echo "== llmd $$(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+	@nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader || true
+	@$(PY) -c "import torch, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| triton', triton.__version__); [print('device', i, torch.cuda.get_device_name(i), 'sm_%d%d' % torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]"
+	LLMD_GPU_TESTS=1 $(VENV)/bin/pytest -m gpu -rA -q -p no:cacheprovider tests/test_gpu.py; \
+	$(PY) benchmarks/engine_throughput.py --streams 1 16 --max-tokens 64
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

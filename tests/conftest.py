@@ -1,5 +1,5 @@
 """Shared fixtures. Tests never touch the network: HF_HUB_OFFLINE is set before transformers loads.
-Triton kernels run in the interpreter (TRITON_INTERPRET=1)."""
+Triton kernels run in the interpreter (TRITON_INTERPRET=1), but in the GPU test set on a GPU."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# No GPU here: every Triton kernel runs in the interpreter on CPU tensors. Triton reads this when
+# Every Triton kernel runs in the interpreter on CPU tensors, but for the GPU test set on a machine
+# with CUDA (`make gpu-report`: LLMD_GPU_TESTS=1, tests/test_gpu.py). Triton reads this when
 # @triton.jit decorates, i.e. when a kernel module is imported, so it is set before any test module
 # (or the code under test) imports one; compile-for-a-GPU tests unset it in their subprocess.
-os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("LLMD_GPU_TESTS") != "1" or not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 # A daemon the developer has running must be invisible to the tests: every client and `llmd` command
 # without --socket-dir looks here instead of $XDG_RUNTIME_DIR/llmd (test daemons get their own dirs).
 os.environ["LLMD_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="llmd-tests-run-")
