@@ -55,10 +55,16 @@ from llmd.kernels.launch import next_power_of_2
 MIN_BLOCK = 16  # tl.dot needs every operand dimension >= 16
 # Tiles must fit in shared memory: 64 KiB on the smallest card targeted (Turing, sm_75), ~100 KiB on
 # consumer Ampere/Ada. The K/V tile is one KV block, so the block size and head_dim are capped,
-# and fp32 uses half the query rows. The largest allowed tiles need <= 54 KiB (compile test).
+# and fp32 uses a quarter of the query rows. The largest allowed tiles need <= 49 KiB (compile test).
 MAX_BLOCK_SIZE = 32
 MAX_HEAD_DIM = 128
-EXTEND_MAX_BLOCK_M = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 32}
+EXTEND_MAX_BLOCK_M = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
+# Register-bound below these (ptxas, tests/test_attention_triton.py): with 4 warps a 64-row fp16 tile
+# of head_dim 128 spilled ~9 KB on sm_75 and 32-row fp32 tiles 76-140 B on sm_80; 8 warps and these
+# caps spill nothing. Turing (sm_75) has no bf16 and runs fp16 tiles of at most 32 rows.
+EXTEND_NUM_WARPS = 8
+TURING_EXTEND_MAX_BLOCK_M = 32
+_capabilities: dict[int, tuple[int, int]] = {}
 # Split-K for decode: aim for about this many programs per step (a GPU's SM count is ~30-140),
 # but give each split at least MIN_BLOCKS_PER_SPLIT KV blocks, or combining costs more than it saves.
 DECODE_TARGET_PROGRAMS = 128
@@ -393,10 +399,23 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-def extend_block_m(max_query_len: int, dtype: torch.dtype) -> int:
+def extend_block_m(max_query_len: int, dtype: torch.dtype, capability: tuple[int, int] = (8, 0)) -> int:
     """Query rows per extend tile: the next power of two of the longest chunk, at least 16 and at
-    most what fits in shared memory for ``dtype``."""
-    return min(EXTEND_MAX_BLOCK_M[dtype], max(MIN_BLOCK, next_power_of_2(max_query_len)))
+    most what fits in registers and shared memory for ``dtype`` on a GPU of ``capability``."""
+    cap = EXTEND_MAX_BLOCK_M[dtype]
+    if capability < (8, 0):
+        cap = min(cap, TURING_EXTEND_MAX_BLOCK_M)
+    return min(cap, max(MIN_BLOCK, next_power_of_2(max_query_len)))
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability (cached); (8, 0) elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return (8, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index]
 
 
 def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -428,13 +447,13 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if total == 0:
         return out
-    block_m = extend_block_m(max_query_len, query.dtype)
+    block_m = extend_block_m(max_query_len, query.dtype, _capability(query.device))
     grid = (num_seqs, num_heads, math.ceil(max_query_len / block_m))
     _extend_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E, window,
         query.stride(0), query.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding,
-        BLOCK_M=block_m, BLOCK_D=_block_d(head_dim), BLOCK_N=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_D=_block_d(head_dim), BLOCK_N=k_cache.shape[1], num_warps=EXTEND_NUM_WARPS,
     )
     return out

@@ -5,7 +5,7 @@ test file also compiles its kernels for NVIDIA targets in a subprocess where TRI
 unset: there, ``@triton.jit`` makes real JIT functions. The script gets these helpers:
 
 * ``compile_sm80(fn, signature, constexprs)`` / ``compile_for(fn, signature, constexprs, arch,
-  aligned)``: the compiled kernel for compute capability ``arch`` (75 Turing ... 90 Hopper);
+  aligned, num_warps)``: the compiled kernel for compute capability ``arch`` (75 Turing ... 90 Hopper);
   ``aligned`` names the arguments the runtime sees 16-aligned (pointers from torch's allocator,
   strides that are multiples of 16), which Triton specialises on: the kernel compiled with them is
   the one that runs.
@@ -36,10 +36,11 @@ from triton.compiler import ASTSource
 ARCHS = (75, 80, 86, 89, 90)
 
 
-def compile_for(fn, signature, constexprs, arch=80, aligned=()):
+def compile_for(fn, signature, constexprs, arch=80, aligned=(), num_warps=4):
     sig = dict(signature, **dict.fromkeys(constexprs, "constexpr"))
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32))
+    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps})
     kernel.arch = arch
     return kernel
 

@@ -214,9 +214,11 @@ def test_invalid_inputs_raise() -> None:
         at.write_kv(batch.k_cache, batch.v_cache, batch.query[:, :2], batch.query[:, :2], torch.tensor([0]))
 
 
-# Every kernel compiled for an A100 (see gpu_compile.py), in fp16 and bf16 (tensor cores) and fp32 (IEEE dots),
-# with and without a sliding window, one split and several, at the largest tiles the host code picks; each must
-# fit in the 64 KiB of shared memory of the smallest targeted card (compilation alone never checks that).
+# Every kernel compiled for every GPU generation (see gpu_compile.py) as the runtime launches it: the
+# alignment hints it sees (pointers and strides, but the unspecialised block-table width), the extend
+# kernel's warps and its largest tile for the architecture; fp16 everywhere, bf16 from sm_80, fp32 on
+# sm_80 (IEEE dots); with and without a sliding window, one split and several. Each must fit in the
+# 64 KiB of shared memory of the smallest targeted card and spill no registers.
 COMPILE_FOR_GPU = """
 import llmd.kernels.attention_triton as at
 import torch
@@ -225,30 +227,48 @@ SHARED_LIMIT = 64 * 1024
 strides = ["stride_qt", "stride_qh", "stride_bt", "stride_cb", "stride_cs", "stride_ch", "stride_ot", "stride_oh"]
 common = dict({s: "i32" for s in strides}, block_tables_ptr="*i64", seq_lens_ptr="*i32", scale_log2="fp32",
               window="i32")
+def aligned(sig):
+    return [n for n in sig if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_bt")]
+
 block_n, head_dim = at.MAX_BLOCK_SIZE, at.MAX_HEAD_DIM
-for dt, torch_dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
-    cache = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", out_ptr=f"*{dt}")
-    kernels = [compile_sm80(at._write_kv_kernel,
-                            dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}",
-                                 slot_ptr="*i64", block_size="i32", stride_kt="i32", stride_kh="i32",
-                                 stride_vt="i32", stride_vh="i32", stride_cb="i32", stride_cs="i32", stride_ch="i32"),
-                            dict(NUM_KV_HEADS=3, HEAD_DIM=80, BLOCK_H=4, BLOCK_D=128))]
-    for splits, sliding in ((1, False), (4, True)):
-        kernels.append(compile_sm80(at._decode_kernel, dict(common, **cache, part_ptr="*fp32", lse_ptr="*fp32"),
-                                    dict(GROUP=8, HEAD_DIM=head_dim, NUM_SPLITS=splits, SLIDING=sliding, BLOCK_G=16,
-                                         BLOCK_D=head_dim, BLOCK_N=block_n)))
-        kernels.append(compile_sm80(at._extend_kernel, dict(common, **cache, query_start_ptr="*i32"),
-                                    dict(GROUP=4, HEAD_DIM=head_dim, SLIDING=sliding,
-                                         BLOCK_M=at.extend_block_m(4096, torch_dtype), BLOCK_D=head_dim,
-                                         BLOCK_N=block_n)))
-    kernels.append(compile_sm80(at._decode_reduce_kernel,
-                                dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dt}", stride_ot="i32",
-                                     stride_oh="i32"),
-                                dict(HEAD_DIM=96, NUM_SPLITS=at.MAX_SPLITS, BLOCK_S=at.MAX_SPLITS, BLOCK_D=128)))
-    for kernel in kernels:
-        assert kernel.metadata.shared <= SHARED_LIMIT, (kernel.name, dt, kernel.metadata.shared)
+reports = []
+for arch in ARCHS:
+    for dt, torch_dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        if (dt == "bf16" and arch < 80) or (dt == "fp32" and arch != 80):
+            continue
+        cache = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", out_ptr=f"*{dt}")
+        sig = dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", slot_ptr="*i64",
+                   block_size="i32", stride_kt="i32", stride_kh="i32", stride_vt="i32", stride_vh="i32",
+                   stride_cb="i32", stride_cs="i32", stride_ch="i32")
+        kernels = [("write_kv", compile_for(at._write_kv_kernel, sig,
+                                            dict(NUM_KV_HEADS=3, HEAD_DIM=80, BLOCK_H=4, BLOCK_D=128), arch,
+                                            aligned(sig)))]
+        for splits, sliding in ((1, False), (4, True)):
+            sig = dict(common, **cache, part_ptr="*fp32", lse_ptr="*fp32")
+            kernels.append((f"decode splits={splits}", compile_for(
+                at._decode_kernel, sig, dict(GROUP=8, HEAD_DIM=head_dim, NUM_SPLITS=splits, SLIDING=sliding,
+                                             BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n), arch, aligned(sig))))
+            sig = dict(common, **cache, query_start_ptr="*i32")
+            block_m = at.extend_block_m(4096, torch_dtype, (arch // 10, arch % 10))
+            kernels.append((f"extend window={sliding} BLOCK_M={block_m}", compile_for(
+                at._extend_kernel, sig, dict(GROUP=4, HEAD_DIM=head_dim, SLIDING=sliding, BLOCK_M=block_m,
+                                             BLOCK_D=head_dim, BLOCK_N=block_n), arch, aligned(sig),
+                num_warps=at.EXTEND_NUM_WARPS)))
+        sig = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dt}", stride_ot="i32", stride_oh="i32")
+        kernels.append(("decode_reduce", compile_for(
+            at._decode_reduce_kernel, sig, dict(HEAD_DIM=96, NUM_SPLITS=at.MAX_SPLITS, BLOCK_S=at.MAX_SPLITS,
+                                               BLOCK_D=128), arch, aligned(sig))))
+        for label, kernel in kernels:
+            r = ptxas_report(kernel)
+            print(label, dt, r)
+            reports.append((label, dt, r))
+for label, dt, r in reports:
+    assert r["shared"] <= SHARED_LIMIT, (label, dt, r)
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (label, dt, r)
+    assert r["vector_loads"], (label, dt, r)
 """
 
 
-def test_kernels_compile_for_a_gpu(tmp_path: Path) -> None:
-    compile_for_gpu(COMPILE_FOR_GPU, tmp_path)
+def test_kernels_compile_for_every_gpu_generation(tmp_path: Path) -> None:
+    out = compile_for_gpu(COMPILE_FOR_GPU, tmp_path)
+    assert out.count("'registers'") == 6 * (5 + 4 + 1), out[-2000:]
