@@ -2,7 +2,7 @@
 
 The weights stay in the formats of ``llmd.quant`` (``int4.py``, ``int8.py``); each weight tile is
 dequantised in registers (``w = q * scale + min`` for INT4, ``w = q * scale`` for INT8, in fp32)
-and multiplied with fp32 accumulation. Two kernels per format:
+and multiplied with fp32 accumulation. Three paths per format:
 
 * INT4 GEMV (decode, ``M <= GEMV_MAX_M``): every row in one program, which reads each weight tile
   once. Decode is memory-bound, so the tile's packed bytes come in 16-byte loads, and the low and
@@ -14,7 +14,9 @@ and multiplied with fp32 accumulation. Two kernels per format:
   rounded to the activations' dtype, as the GEMM's tensor cores see them, so a row's result
   barely depends on which kernel its batch size picked.
 * INT8 GEMV: one program per ``(BLOCK_N outputs, row)``, a loop over K and a ``tl.sum``.
-* GEMM (prefill): ``BLOCK_M x BLOCK_N`` output tiles, a loop over K in ``BLOCK_K`` steps and
+* Dense (prefill above ``DENSE_MIN_M`` rows): the weight dequantised once, in chunks of rows, and
+  multiplied by torch (cuBLAS), rounded to the activations' dtype as the kernels round it.
+* GEMM (prefill up to ``DENSE_MIN_M`` rows): ``BLOCK_M x BLOCK_N`` output tiles, a loop over K in ``BLOCK_K`` steps and
   ``tl.dot`` on the dequantised tile cast to the activations' dtype (tensor cores for fp16/bf16;
   fp32 activations get an IEEE fp32 dot, as torch's fp32 matmul, not TF32).
 
@@ -35,15 +37,22 @@ import functools
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from llmd.kernels.launch import cdiv, next_power_of_2
 from llmd.quant.int4 import GROUP_SIZES as INT4_GROUP_SIZES
+from llmd.quant.int4 import Int4Weight, dequantize_int4
+from llmd.quant.int8 import Int8Weight, dequantize_int8
 
-KernelPath = Literal["gemv", "gemm"]
+KernelPath = Literal["gemv", "gemm", "dense"]
 
 GEMV_MAX_M = 8  # rows up to which the GEMV kernel runs; beyond, a tensor-core tile is cheaper
+# Rows above which a prefill dequantises the weight once and multiplies with cuBLAS: the GEMM
+# dequantises every weight tile again for each BLOCK_M rows of x, which stops paying off around here.
+DENSE_MIN_M = 128
+DENSE_CHUNK = 1 << 24  # weight elements dequantised at a time (64 MiB of fp32)
 GEMV_BLOCK_N = 32  # small, so a decode step of a 4096-wide layer still launches 128 programs
 GEMV_MAX_BLOCK_K = 128
 GEMV_MIN_BLOCK_K = 32  # 16 bytes of an INT4 row: one 16-byte load per thread
@@ -63,7 +72,18 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _path_for(m: int) -> KernelPath:
     """The kernel the matmuls use for ``m`` rows of activations."""
-    return "gemv" if m <= GEMV_MAX_M else "gemm"
+    if m <= GEMV_MAX_M:
+        return "gemv"
+    return "gemm" if m <= DENSE_MIN_M else "dense"
+
+
+def _dense_matmul(x: torch.Tensor, rows: int, dequantize) -> torch.Tensor:
+    """``x @ W^T`` through torch's matmul (cuBLAS on a GPU), ``W`` dequantised ``DENSE_CHUNK``
+    elements of rows at a time by ``dequantize(start, stop)`` (fp32), rounded to ``x.dtype`` as the
+    Triton kernels round it."""
+    step = max(1, DENSE_CHUNK // x.shape[1])
+    parts = [F.linear(x, dequantize(start, min(start + step, rows)).to(x.dtype)) for start in range(0, rows, step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 _sm_counts: dict[int, int] = {}
@@ -312,8 +332,8 @@ def _check_scales(name: str, t: torch.Tensor, shape: tuple[int, int], device: to
 def _check_path(path: KernelPath | None, m: int) -> KernelPath:
     if path is None:
         return _path_for(m)
-    if path not in ("gemv", "gemm"):
-        raise ValueError(f"path must be 'gemv', 'gemm' or None, got {path!r}")
+    if path not in ("gemv", "gemm", "dense"):
+        raise ValueError(f"path must be 'gemv', 'gemm', 'dense' or None, got {path!r}")
     return path
 
 
@@ -329,7 +349,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     ``W = q * scales + mins`` held as ``packed`` uint8 ``[N, K/2]`` (element ``2i`` in the low
     nibble of byte ``i``), ``scales`` and ``mins`` ``[N, K/group_size]`` (fp32, fp16 or bf16).
 
-    ``path`` forces the GEMV or the GEMM kernel (tests run both at every M); by default
+    ``path`` forces the GEMV, the GEMM or the dense path (tests run each at every M); by default
     :func:`_path_for` picks by M.
     """
     if packed.ndim != 2 or packed.dtype != torch.uint8 or not packed.is_contiguous():
@@ -345,6 +365,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     path = _check_path(path, x.shape[0])
 
     m = x.shape[0]
+    if path == "dense" and m:
+        return _dense_matmul(x, n, lambda a, b: dequantize_int4(
+            Int4Weight(packed[a:b], scales[a:b], mins[a:b], group_size)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -385,7 +408,7 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
     ``W = q * scales`` held as ``qweight`` int8 ``[N, K]`` and ``scales [N, K/group_size]``;
     ``group_size == K`` is one scale per output channel, otherwise it must be a multiple of 16.
 
-    ``path`` forces the GEMV or the GEMM kernel; by default :func:`_path_for` picks by M.
+    ``path`` forces the GEMV, the GEMM or the dense path; by default :func:`_path_for` picks by M.
     """
     if qweight.ndim != 2 or qweight.dtype != torch.int8 or not qweight.is_contiguous():
         raise ValueError(
@@ -406,6 +429,8 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
                          f"got {group_size}")
 
     m = x.shape[0]
+    if path == "dense" and m:
+        return _dense_matmul(x, n, lambda a, b: dequantize_int8(Int8Weight(qweight[a:b], scales[a:b], group_size)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out

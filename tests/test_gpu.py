@@ -83,7 +83,7 @@ def test_write_kv_on_the_device(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 5, 64])  # one-row GEMV, tensor-core GEMV, GEMM
+@pytest.mark.parametrize("m", [1, 5, 64, 200])  # one-row GEMV, tensor-core GEMV, GEMM, dense
 def test_quant_matmuls_on_the_device(m: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 576, generator=g).to(dtype)

@@ -15,7 +15,7 @@ import llmd.kernels.quant_matmul_triton as qmt
 from llmd.quant.int4 import Int4Weight, dequantize_int4, quantize_int4
 from llmd.quant.int8 import Int8Weight, dequantize_int8, quantize_int8
 
-PATHS = ("gemv", "gemm")
+PATHS = ("gemv", "gemm", "dense")
 # max |out - ref| / max |ref|. fp32: summation order only. fp16: x is exact, but the GEMM rounds the
 # dequantised tile to fp16 and both round the output (2^-11 each); measured <= 5e-4. A swapped nibble,
 # another group's scale and min, or no min is off by 0.7 to 4 (groups differ in scale and offset, see
@@ -110,15 +110,28 @@ def test_bf16_activations_gemv() -> None:
 
 def test_default_path_and_strided_x() -> None:
     assert qmt._path_for(1) == "gemv" and qmt._path_for(qmt.GEMV_MAX_M) == "gemv"
-    assert qmt._path_for(qmt.GEMV_MAX_M + 1) == "gemm"
+    assert qmt._path_for(qmt.GEMV_MAX_M + 1) == "gemm" and qmt._path_for(qmt.DENSE_MIN_M) == "gemm"
+    assert qmt._path_for(qmt.DENSE_MIN_M + 1) == "dense"
     g = torch.Generator().manual_seed(3)
     qw = quantize_int4(weight(40, 64, 32, g), 32)
-    for m in (1, 20):  # one per path; x is a column slice (row stride 96), the output is not
+    for m in (1, 20, 200):  # one per path; x is a column slice (row stride 96), the output is not
         x = torch.randn(m, 96, generator=g)[:, 16:80]
         out = qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 32)
         assert rel_err(out, x @ dequantize_int4(qw).T) < TOLERANCE[torch.float32]
     empty = qmt.int4_matmul(torch.zeros(0, 64), qw.packed, qw.scales, qw.mins, 32)
     assert empty.shape == (0, 40)
+
+
+def test_dense_path_dequantises_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(qmt, "DENSE_CHUNK", 64 * 7)  # 7 weight rows at a time: 6 chunks, the last short
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(130, 64, generator=g)
+    q4 = quantize_int4(weight(40, 64, 32, g), 32)
+    out = qmt.int4_matmul(x, q4.packed, q4.scales, q4.mins, 32, path="dense")
+    assert out.shape == (130, 40) and rel_err(out, x @ dequantize_int4(q4).T) < TOLERANCE[torch.float32]
+    q8 = quantize_int8(weight(40, 64, 64, g))
+    out = qmt.int8_matmul(x, q8.qweight, q8.scales, q8.group_size, path="dense")
+    assert rel_err(out, x @ dequantize_int8(q8).T) < TOLERANCE[torch.float32]
 
 
 def test_invalid_inputs_raise() -> None:
