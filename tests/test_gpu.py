@@ -29,12 +29,14 @@ from llmd.quant.int8 import dequantize_int8, quantize_int8
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+GPU_SET = os.environ.get("LLMD_GPU_TESTS") == "1"
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(os.environ.get("LLMD_GPU_TESTS") != "1",
-                       reason="the GPU test set: make gpu-report (LLMD_GPU_TESTS=1 pytest -m gpu)"),
+    pytest.mark.skipif(not GPU_SET, reason="the GPU test set: make gpu-report (LLMD_GPU_TESTS=1 pytest -m gpu)"),
 ]
-needs_cuda = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (compiled kernels, not the interpreter)")
+# (only in the GPU test set: elsewhere the module's own skip says why, once)
+needs_cuda = pytest.mark.skipif(GPU_SET and not ON_GPU,
+                                reason="needs a CUDA device (compiled kernels, not the interpreter)")
 # bf16 through tl.dot is wrong in the interpreter (triton#11584), and it rounds fp32 -> bf16 by
 # truncation where a GPU rounds to nearest: bf16 cases only on a GPU
 BF16 = pytest.param(torch.bfloat16, marks=needs_cuda, id="bfloat16")
