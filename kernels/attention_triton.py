@@ -201,12 +201,15 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh,
     mask_s = s < NUM_SPLITS
     row = (seq * tl.num_programs(1) + head) * NUM_SPLITS
     lse = tl.load(lse_ptr + row + s, mask=mask_s, other=float("-inf"))
-    # Split 0 is never empty, so the max is finite; empty splits (lse = -inf) get weight 0.
-    weight = tl.exp2(lse - tl.max(lse, axis=0))
+    # Empty splits (lse = -inf) get weight 0. A row with no keys at all (seq_len 0: nothing the
+    # engine sends, but a padded row could) has every split empty: its output is 0, not NaN.
+    top = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     mask_d = d < HEAD_DIM
     part = tl.load(part_ptr + (row + s)[:, None] * BLOCK_D + d[None, :], mask=mask_s[:, None] & mask_d[None, :],
                    other=0.0)
-    out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(part * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 

@@ -13,7 +13,8 @@ and multiplied with fp32 accumulation. Three paths per format:
   the splits in a fixed order (deterministic, in the same launch). The dequantised weights are
   rounded to the activations' dtype, as the GEMM's tensor cores see them, so a row's result
   barely depends on which kernel its batch size picked.
-* INT8 GEMV: one program per ``(BLOCK_N outputs, row)``, a loop over K and a ``tl.sum``.
+* INT8 GEMV: one program per ``(BLOCK_N outputs, row)``, a loop over K and a ``tl.sum``; its
+  weights rounded like the INT4 GEMV's.
 * Dense (prefill above ``DENSE_MIN_M`` rows): the weight dequantised once, in chunks of rows, and
   multiplied by torch (cuBLAS), rounded to the activations' dtype as the kernels round it.
 * GEMM (prefill up to ``DENSE_MIN_M`` rows): ``BLOCK_M x BLOCK_N`` output tiles, a loop over K in ``BLOCK_K`` steps and
@@ -271,7 +272,7 @@ def _int8_gemv_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, N, K,
         q = tl.load(q_ptr + offs_n[:, None] * K + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
         group = k0 // GROUP_SIZE  # the whole tile is in one group
         scale = tl.load(scales_ptr + offs_n * n_groups + group, mask=mask_n, other=0.0).to(tl.float32)
-        w = q.to(tl.float32) * scale[:, None]
+        w = (q.to(tl.float32) * scale[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # as the GEMM rounds it
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 

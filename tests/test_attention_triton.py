@@ -168,6 +168,18 @@ def test_stale_inf_and_nan_past_the_sequence_stay_out() -> None:
         assert max_err(reference(batch), expected) < 1e-5  # the torch reference too
 
 
+def test_a_row_without_keys_gives_zeros_not_nan() -> None:
+    """seq_len 0 (nothing the engine sends; a padded row could): every split is empty, and the
+    combine must not divide 0 by 0; the other rows are untouched by it."""
+    batch = paged_batch([1, 1], [40, 1], 2, 2, 64, 16, torch.float32, seed=9)
+    expected = reference(batch)
+    batch.seq_lens = [40, 0]
+    for splits in (1, 4):
+        out = run_decode(batch, num_splits=splits)
+        assert out.isfinite().all(), splits
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and max_err(out[0], expected[0]) < 1e-5
+
+
 def test_unsupported_shapes() -> None:
     assert at.unsupported(16, 128, torch.bfloat16) is None and at.unsupported(32, 80, torch.float32) is None
     for block_size in (8, 24, 64):

@@ -213,6 +213,10 @@ def test_int4_gemv_and_gemm_round_alike() -> None:
     for rows in (1, 5):
         gemv = qmt.int4_matmul(x[:rows], qw.packed, qw.scales, qw.mins, 32, path="gemv")
         assert rel_err(gemv, gemm[:rows].float()) < 2e-3
+    q8 = quantize_int8(weight(72, 256, 256, g))
+    gemm = qmt.int8_matmul(x, q8.qweight, q8.scales, q8.group_size, path="gemm")
+    gemv = qmt.int8_matmul(x[:3], q8.qweight, q8.scales, q8.group_size, path="gemv")
+    assert rel_err(gemv, gemm[:3].float()) < 2e-3
 
 
 # Every kernel compiled for every GPU generation (see gpu_compile.py) with the alignment the runtime
