@@ -93,10 +93,9 @@ def test_int8_matmul_matches_reference(path: str, m: int, n: int, k: int, group_
 
 
 def test_bf16_activations_gemv() -> None:
-    # The GEMVs' paths without tl.dot only (INT4: one row; INT8: any): the interpreter multiplies the
-    # raw bits of bf16 tl.dot operands (triton-lang/triton issue 11584, "not supported yet"), so the
-    # GEMM's and the INT4 GEMV's 2..8-row bf16 paths can only be checked on a GPU (their fp16 and fp32
-    # twins run here).
+    # The GEMVs' paths without tl.dot only (one row): the interpreter multiplies the raw bits of bf16
+    # tl.dot operands (triton-lang/triton issue 11584, "not supported yet"), so the GEMMs' and the
+    # GEMVs' 2..8-row bf16 paths can only be checked on a GPU (their fp16 and fp32 twins run here).
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 128, generator=g).bfloat16()
     q4 = quantize_int4(weight(40, 128, 64, g), 64)
@@ -104,8 +103,8 @@ def test_bf16_activations_gemv() -> None:
     assert out.dtype == torch.bfloat16
     assert rel_err(out, x[:1].float() @ dequantize_int4(q4).T) < TOLERANCE[torch.bfloat16]
     q8 = quantize_int8(weight(40, 128, 128, g))
-    out = qmt.int8_matmul(x, q8.qweight, q8.scales, q8.group_size, path="gemv")
-    assert rel_err(out, x.float() @ dequantize_int8(q8).T) < TOLERANCE[torch.bfloat16]
+    out = qmt.int8_matmul(x[:1], q8.qweight, q8.scales, q8.group_size, path="gemv")
+    assert rel_err(out, x[:1].float() @ dequantize_int8(q8).T) < TOLERANCE[torch.bfloat16]
 
 
 def test_default_path_and_strided_x() -> None:
@@ -166,6 +165,87 @@ def test_invalid_inputs_raise() -> None:
             qmt.int8_matmul(**args)
 
 
+def _rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+FUSIONS = ("norm", "silu", "bias+residual", "norm+bias+residual")
+# bf16 in the interpreter: its fp32 -> bf16 casts truncate (triton.runtime.interpreter's cast_impl
+# passes no rounding mode; a GPU rounds to nearest), a bias of up to 2^-8 toward zero at every
+# rounding, and a fused layer rounds three or four times in a row (measured: up to 0.0201).
+FUSED_TOLERANCE = TOLERANCE | {torch.bfloat16: 4e-2}
+# What a fused call without its fusion is off by, at least: 7x the loosest tolerance above.
+CANARY = 0.3
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fusion", FUSIONS)
+@pytest.mark.parametrize(("fmt", "m", "x_dtype"), [("int4", 1, torch.float32), ("int4", 3, torch.float16),
+                                                   ("int8", 1, torch.float16), ("int8", 5, torch.float32),
+                                                   ("int4", 1, torch.bfloat16)], ids=dtype_id)
+def test_fused_prologue_and_epilogue_match_the_unfused_layer(path: str, fusion: str, fmt: str, m: int,
+                                                             x_dtype: torch.dtype) -> None:
+    """The decode step's fusions (issue 19): the RMSNorm before qkv and gate/up, SiLU x up before
+    down, the bias and the residual add after a projection, in the GEMV's one launch (split-K
+    here: N is small), as the separate kernels on the other paths, all against the torch layer."""
+    if path != "gemv" and x_dtype == torch.bfloat16:
+        pytest.skip("bf16 tl.dot does not run in the interpreter (triton#11584)")
+    n, k = 72, 256
+    g = torch.Generator().manual_seed(len(fusion) * 31 + m)
+    w = weight(n, k, 64, g)
+    if fmt == "int4":
+        qw = quantize_int4(w, 64)
+        w_ref = dequantize_int4(qw).to(x_dtype)
+        run = lambda x, **kw: qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 64, path=path, **kw)
+    else:
+        qw = quantize_int8(w, 64)
+        w_ref = dequantize_int8(qw).to(x_dtype)
+        run = lambda x, **kw: qmt.int8_matmul(x, qw.qweight, qw.scales, 64, path=path, **kw)
+    silu = fusion == "silu"
+    x = (torch.randn(m, 2 * k if silu else k, generator=g) * 3).to(x_dtype)
+    norm_w = torch.randn(k, generator=g).to(x_dtype)
+    bias = torch.randn(n, generator=g).to(x_dtype)
+    residual = (torch.randn(m, n, generator=g) * 300).to(x_dtype)  # larger than the product: the canary fails
+    kwargs, x_ref = {}, x
+    if fusion.startswith("norm"):
+        kwargs["norm"] = (norm_w, 1e-5)
+        x_ref = _rms_norm_ref(x, norm_w, 1e-5)
+    if silu:
+        kwargs["silu"] = True
+        x_ref = (torch.nn.functional.silu(x[:, :k]) * x[:, k:]).to(x_dtype)
+    want = torch.nn.functional.linear(x_ref.float(), w_ref.float()).to(x_dtype)
+    if "bias" in fusion:
+        kwargs |= dict(bias=bias, residual=residual.clone())
+        want = residual + (want + bias)
+    got = run(x, **kwargs)
+    assert got.shape == (m, n) and got.dtype == x_dtype
+    if "residual" in fusion:
+        assert got.data_ptr() == kwargs["residual"].data_ptr(), "the residual is updated in place"
+    assert rel_err(got, want.float()) < FUSED_TOLERANCE[x_dtype]
+    # Canary: the plain product, without the fusion, is far from the fused layer's result.
+    assert rel_err(run(x[:, :k]), want.float()) > CANARY
+
+
+def test_fused_arguments_are_checked() -> None:
+    g = torch.Generator().manual_seed(5)
+    qw = quantize_int4(weight(40, 64, 32, g), 32)
+    x = torch.randn(2, 64, generator=g)
+    run = lambda x, **kw: qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 32, **kw)
+    bad = [
+        (dict(norm=(torch.ones(64), 1e-5), silu=True), "one prologue"),  # checked before the widths
+        (dict(norm=(torch.ones(32), 1e-5)), "norm weight must be"),
+        (dict(norm=(torch.ones(64).half(), 1e-5)), "norm weight must be"),
+        (dict(bias=torch.ones(41)), "bias must be"),
+        (dict(residual=torch.ones(2, 40).half()), "residual must be"),
+        (dict(residual=torch.ones(40, 2).T), "contiguous"),
+        (dict(silu=True), "input features"),  # silu wants x [M, 2K]
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            run(x, **kwargs)
+
+
 def test_int4_gemv_split_k_is_deterministic_and_resets_its_counters() -> None:
     """Split-K: the last program of a column block to arrive adds the splits in order, so two
     launches agree bit for bit, and it zeroes the block's arrival counter for the next launch (a
@@ -222,29 +302,42 @@ def test_int4_gemv_and_gemm_round_alike() -> None:
 # Every kernel compiled for every GPU generation (see gpu_compile.py) with the alignment the runtime
 # sees; 16-bit activations: fp16 everywhere, bf16 from sm_80 (Turing has no bf16 tensor cores and
 # runs fp16, llmd.daemon.device); fp32 once (the IEEE tl.dot branches). Both GEMV variants (one row;
-# 2..8 rows on tensor cores) with split-K, for the default model's group size (32) and 128.
+# 2..8 rows on tensor cores) with split-K and the decode step's fusions (the norm prologue of qkv and
+# gate/up; SiLU x up before down with the residual add after it; bias), for the default model's
+# group size (32) and 128.
 COMPILE_FOR_GPU = """
 import llmd.kernels.quant_matmul_triton as q
 
-ALIGNED_PTRS = ("x_ptr", "packed_ptr", "q_ptr", "scales_ptr", "mins_ptr", "out_ptr", "part_ptr", "count_ptr")
+ALIGNED_PTRS = ("x_ptr", "packed_ptr", "q_ptr", "scales_ptr", "mins_ptr", "out_ptr", "part_ptr", "count_ptr",
+                "norm_w_ptr", "bias_ptr", "res_ptr")
 def aligned(sig):
     return [name for name in sig if name in ALIGNED_PTRS or name.startswith("stride_") or name in ("N", "K")]
 
-gemv4 = {"packed_ptr": "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32",
-         "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32",
-         "K_ITERS": "i32", "SPLIT": "i32"}
+gemv = {"scales_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+        "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32",
+        "stride_rm": "i32", "K_ITERS": "i32", "SPLIT": "i32"}
+gemv4, gemv8 = dict(gemv, packed_ptr="*u8", mins_ptr="*fp16"), dict(gemv, q_ptr="*i8")
 common = {"scales_ptr": "*fp16", "N": "i32", "K": "i32",
           "stride_xm": "i32", "stride_xk": "i32", "stride_om": "i32", "stride_on": "i32"}
 int4, int8 = dict(common, packed_ptr="*u8", mins_ptr="*fp16"), dict(common, q_ptr="*i8")
 gemm = dict(BLOCK_M=16, BLOCK_N=q.GEMM_BLOCK_N, BLOCK_K=q.GEMM_MAX_BLOCK_K)
-kernels = [("int4 gemv 1 row g32", q._int4_gemv_kernel, gemv4,
-            dict(GROUP_SIZE=32, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
-           ("int4 gemv 1 row g128", q._int4_gemv_kernel, gemv4,
-            dict(GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, NG=1, GH=64)),
-           ("int4 gemv 2-8 rows g32", q._int4_gemv_kernel, gemv4,
-            dict(GROUP_SIZE=32, BLOCK_M=q.GEMV_DOT_BLOCK_M, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
-           ("int8 gemv", q._int8_gemv_kernel, int8, dict(BLOCK_N=q.GEMV_BLOCK_N, BLOCK_K=q.GEMV_MAX_BLOCK_K,
-                                                         GROUP_SIZE=4096)),
+NORM = dict(PROLOGUE=q.PRO_RMS_NORM, HAS_BIAS=False, HAS_RESIDUAL=False, NORM_BLOCK=q.GEMV_NORM_BLOCK)
+SILU_RES = dict(PROLOGUE=q.PRO_SILU_MUL, HAS_BIAS=False, HAS_RESIDUAL=True, NORM_BLOCK=q.GEMV_NORM_BLOCK)
+BIAS_RES = dict(PROLOGUE=q.PRO_NONE, HAS_BIAS=True, HAS_RESIDUAL=True, NORM_BLOCK=q.GEMV_NORM_BLOCK)
+ROWS = q.GEMV_DOT_BLOCK_M
+kernels = [("int4 gemv 1 row g32 norm", q._int4_gemv_kernel, gemv4,
+            dict(NORM, GROUP_SIZE=32, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
+           ("int4 gemv 1 row g128 silu+residual", q._int4_gemv_kernel, gemv4,
+            dict(SILU_RES, GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, NG=1, GH=64)),
+           ("int4 gemv 2-8 rows g32 norm", q._int4_gemv_kernel, gemv4,
+            dict(NORM, GROUP_SIZE=32, BLOCK_M=ROWS, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
+           ("int4 gemv 2-8 rows g32 silu+residual", q._int4_gemv_kernel, gemv4,
+            dict(SILU_RES, GROUP_SIZE=32, BLOCK_M=ROWS, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
+           ("int8 gemv 1 row norm", q._int8_gemv_kernel, gemv8,
+            dict(NORM, GROUP_SIZE=4096, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, BLOCK_K=q.GEMV_MAX_BLOCK_K)),
+           ("int8 gemv 2-8 rows bias+residual", q._int8_gemv_kernel, gemv8,
+            dict(BIAS_RES, GROUP_SIZE=4096, BLOCK_M=ROWS, BLOCK_N=q.GEMV_BLOCK_N,
+                 BLOCK_K=q.GEMV_INT8_DOT_MAX_BLOCK_K)),
            ("int4 gemm", q._int4_gemm_kernel, dict(int4, M="i32"), dict(gemm, GROUP_SIZE=64)),
            ("int8 gemm", q._int8_gemm_kernel, dict(int8, M="i32"), dict(gemm, GROUP_SIZE=64))]
 reports = []
@@ -252,17 +345,19 @@ for arch in ARCHS:
     for x in ["fp16"] + (["bf16"] if arch >= 80 else []) + (["fp32"] if arch == 80 else []):
         for label, fn, signature, constexprs in kernels:
             sig = dict(signature, x_ptr=f"*{x}", out_ptr=f"*{x}")
+            if "gemv" in label:
+                sig.update(norm_w_ptr=f"*{x}", bias_ptr=f"*{x}", res_ptr=f"*{x}")
             r = ptxas_report(compile_for(fn, sig, constexprs, arch, aligned(sig)))
             print(label, x, r)
             reports.append((label, x, r))
 for label, x, r in reports:
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (label, x, r)
     assert r["shared"] <= 99 * 1024, (label, x, r)
-    if label.startswith("int4 gemv"):  # the packed bytes in 16-byte loads, never one by one
+    if "gemv" in label:  # the packed bytes in 16-byte loads, never one by one
         assert r["vector_loads"] and not r["byte_loads"], (label, x, r)
 """
 
 
 def test_kernels_compile_for_every_gpu_generation(tmp_path: Path) -> None:
     out = compile_for_gpu(COMPILE_FOR_GPU, tmp_path)
-    assert out.count("'registers'") == 6 * (5 + 4 + 1), out[-2000:]
+    assert out.count("'registers'") == 8 * (5 + 4 + 1), out[-2000:]
