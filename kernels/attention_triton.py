@@ -5,13 +5,16 @@ The cache layout is the torch reference's (``attention_ref.py``): per layer, K a
 ``block_id * block_size + offset``. Three kernels, one job each:
 
 * ``_write_kv_kernel`` stores each new token's K and V in its slot (one program per token;
-  a negative slot is skipped, so padded batches need no special case).
+  a negative slot is skipped, so padded batches need no special case); prompt chunks use it.
 * ``_decode_kernel`` attends one new token per sequence (a pure decode step). One program per
   ``(sequence, KV head, split)``: the query heads sharing that KV head are the rows of one tile,
   so each K/V block is read once per KV head, not once per query head (GQA, any ratio). With
-  ``num_splits > 1`` the sequence's blocks are divided between programs (flash-decoding) and
-  ``_decode_reduce_kernel`` combines their partial results by their log-sum-exp: a long context
-  with few sequences still fills the GPU.
+  more than one split the sequence's blocks are divided between programs (flash-decoding), and
+  the last program of a (sequence, KV head) to finish combines the partial results by their
+  log-sum-exp, in the same launch. Fed straight from the qkv projection
+  (:func:`decode_attention_new_token`), it also applies RoPE (and Qwen3's q/k norm) and writes
+  the new token's K/V, so a decode step's attention is one launch (issue 19: a GPU decode step is
+  bound by launches). The split count is a runtime argument: no recompile as contexts grow.
 * ``_extend_kernel`` attends a ragged batch of chunks: sequence ``i`` brings ``query_len`` new
   tokens at positions ``seq_len - query_len .. seq_len - 1`` whose K/V are already in the cache
   behind a cached prefix (chunked prefill, prefix-cache hits, and decode rows in a mixed step).
@@ -27,7 +30,7 @@ interpreter in the tests, and ``tests/test_attention_triton.py`` compiles each f
 
 * every ``tl.arange`` extent is a power of two: ``BLOCK_D`` is ``head_dim`` rounded up (80 and 96
   use 128, masked; at least 16), ``BLOCK_N`` is the KV block size (16 or 32), ``BLOCK_G`` and
-  ``BLOCK_M`` are powers of two >= 16, ``BLOCK_S`` is the split count rounded up;
+  ``BLOCK_M`` are powers of two >= 16;
 * tiles fit in shared memory on every targeted card (<= 64 KiB): block size <= 32, head_dim <= 128,
   ``BLOCK_M`` <= 64 (32 in fp32); the compile test reads each kernel's shared-memory use;
 * every ``tl.dot`` operand is at least 16 in each dimension: ``BLOCK_G``/``BLOCK_M`` >= 16 rows,
@@ -50,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmd.kernels.launch import next_power_of_2
+from llmd.kernels.launch import arrival_counters, next_power_of_2, workspace
 
 MIN_BLOCK = 16  # tl.dot needs every operand dimension >= 16
 # Tiles must fit in shared memory: 64 KiB on the smallest card targeted (Turing, sm_75), ~100 KiB on
@@ -64,6 +67,9 @@ EXTEND_MAX_BLOCK_M = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
 # caps spill nothing. Turing (sm_75) has no bf16 and runs fp16 tiles of at most 32 rows.
 EXTEND_NUM_WARPS = 8
 TURING_EXTEND_MAX_BLOCK_M = 32
+# The decode kernel on Turing: 8 warps (4 spilled ~0.5 KB fed from the qkv projection, head_dim 128,
+# 8 query heads per KV head); 4 elsewhere.
+TURING_DECODE_NUM_WARPS = 8
 _capabilities: dict[int, tuple[int, int]] = {}
 # Split-K for decode: aim for about this many programs per step (a GPU's SM count is ~30-140),
 # but give each split at least MIN_BLOCKS_PER_SPLIT KV blocks, or combining costs more than it saves.
@@ -136,16 +142,49 @@ def _load_kv_block(k_cache_ptr, v_cache_ptr, block_table_ptr, blk, kv_head, seq_
     return k, v, k_pos
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes step by step
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
-                   scale_log2, window,
-                   stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit
+def _rope_angles(pos_ptr, inv_freq_ptr, d, mask_d, dtype, HEAD_DIM: tl.constexpr):
+    """cos and sin ``[BLOCK_D]`` of one token's rotation, element ``d`` at frequency ``d % (D/2)``,
+    rounded to the activations' dtype as the reference's tables are."""
+    inv_freq = tl.load(inv_freq_ptr + d % (HEAD_DIM // 2), mask=mask_d, other=0.0)
+    angle = tl.load(pos_ptr).to(tl.float32) * inv_freq  # as the reference: fp32 position x fp32 frequency
+    # tl.cos/tl.sin: libdevice's accurate cosf/sinf (see llmd.kernels.norm_act_triton)
+    return tl.cos(angle).to(dtype).to(tl.float32), tl.sin(angle).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rope_tile(ptr, offs, offs_p, mask, d, cos, sin, norm_ptr, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rotate-half RoPE of the heads ``[R, BLOCK_D]`` at ``ptr + offs`` (``offs_p``: each element's
+    partner in the other half of its head), after the per-head RMSNorm (Qwen3's q/k norm) if
+    ``QK_NORM``; rounded as llmd.kernels.norm_act_triton rounds (the norm step by step, the rotation
+    in fp32 once)."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0)
+    xp = tl.load(ptr + offs_p, mask=mask, other=0.0)
+    x32, xp32 = x.to(tl.float32), xp.to(tl.float32)
+    if QK_NORM:
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / HEAD_DIM + eps)[:, None]
+        mask_d = d < HEAD_DIM
+        w = tl.load(norm_ptr + d, mask=mask_d, other=0.0).to(tl.float32)
+        wp = tl.load(norm_ptr + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask_d, other=0.0).to(tl.float32)
+        x32 = (w[None, :] * (x32 * inv_rms).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+        xp32 = (wp[None, :] * (xp32 * inv_rms).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+    return (x32 * cos[None, :] + sign[None, :] * xp32 * sin[None, :]).to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])  # both change step by step
+def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                   pos_ptr, slot_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
+                   scale_log2, window, eps, num_splits,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                   stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
+                   QK_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
+    num_kv_heads = tl.num_programs(1)
+    num_heads = num_kv_heads * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
     q_pos = seq_len - 1
     g = tl.arange(0, BLOCK_G)
@@ -154,14 +193,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     heads = kv_head * GROUP + g
     mask_g = g < GROUP
     mask_d = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    mask_q = mask_g[:, None] & mask_d[None, :]
+    q_offs = seq * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    context = seq_len  # keys read from the cache
+    if NEW_KV:
+        # q and the new token's k/v come raw from the qkv projection: RoPE (after the q/k norm)
+        # here, the new key and value attended from registers and written to the cache by the
+        # last split, so no program reads the slot another writes.
+        cos, sin = _rope_angles(pos_ptr + seq, inv_freq_ptr, d, mask_d, q_ptr.dtype.element_ty, HEAD_DIM)
+        q_offs_p = seq * stride_qt + heads[:, None] * stride_qh + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :]
+        q = _rope_tile(q_ptr, q_offs, q_offs_p, mask_q, d, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+        context = seq_len - 1
+    else:
+        q = tl.load(q_ptr + q_offs, mask=mask_q, other=0.0)
 
-    num_blocks = tl.cdiv(seq_len, BLOCK_N)
+    num_blocks = tl.cdiv(context, BLOCK_N)
     first_block = 0
     if SLIDING:  # blocks wholly before the window are never read
         first_block = tl.maximum(q_pos - window + 1, 0) // BLOCK_N
-    per_split = tl.cdiv(num_blocks - first_block, NUM_SPLITS)
+    per_split = tl.cdiv(num_blocks - first_block, num_splits)
     start = first_block + split * per_split
     end = tl.minimum(start + per_split, num_blocks)
 
@@ -170,47 +220,72 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for blk in range(start, end):
         k, v, k_pos = _load_kv_block(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, blk, kv_head,
-                                     seq_len, n, d, mask_d, stride_cb, stride_cs, stride_ch, BLOCK_N)
-        visible = k_pos < seq_len
+                                     context, n, d, mask_d, stride_cb, stride_cs, stride_ch, BLOCK_N)
+        visible = k_pos < context
         if SLIDING:
             visible &= q_pos - k_pos < window
         m_i, l_i, acc = _attend_block(q.to(k.dtype), k, v, visible[None, :], m_i, l_i, acc, scale_log2)
 
+    if NEW_KV:
+        if split == num_splits - 1:  # the new token: always visible, attended last, then stored
+            # (k and v loaded here, not before the loop: registers held across it spilled on sm_75)
+            cos, sin = _rope_angles(pos_ptr + seq, inv_freq_ptr, d, mask_d, q_ptr.dtype.element_ty, HEAD_DIM)
+            k_row = seq * stride_kt + kv_head * stride_kh
+            k_new = _rope_tile(k_new_ptr, k_row + d[None, :], k_row + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
+                               mask_d[None, :], d, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)  # [1, BLOCK_D]
+            v_new = tl.load(v_new_ptr + seq * stride_vt + kv_head * stride_vh + d[None, :], mask=mask_d[None, :],
+                            other=0.0)
+            s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new).to(v_new.dtype).to(tl.float32)  # rounded as P is before P @ V
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+            m_i = m_new
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
+            # A negative slot (a padding row) writes nothing: its row width is 0 (see _write_kv_kernel).
+            width = tl.where(slot >= 0, HEAD_DIM, 0)
+            dst = (slot // BLOCK_N) * stride_cb + (slot % BLOCK_N) * stride_cs + kv_head * stride_ch + d[None, :]
+            tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d[None, :] < width)
+            tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=d[None, :] < width)
+
     # An empty split (more splits than blocks) has l_i = 0: its partial is 0 with weight 0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    mask_out = mask_g[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask_out)
+    out_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    if num_splits == 1:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_q)
     else:
-        # part [B, H, NUM_SPLITS, BLOCK_D] and lse [B, H, NUM_SPLITS], both fp32 and contiguous
-        row = (seq * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=mask_out)
+        # part [B, H, splits, BLOCK_D] and lse [B, H, splits], fp32, from the shared workspace. The
+        # last program of a (sequence, KV head) to arrive combines the splits in split order
+        # (deterministic) and resets its arrival counter: one launch, no reduction kernel.
+        rows = (seq * num_heads + heads) * num_splits
+        tl.store(part_ptr + (rows + split)[:, None] * BLOCK_D + d[None, :], out, mask=mask_q)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + row, lse, mask=mask_g)
-
-
-@triton.jit
-def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh,
-                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    mask_s = s < NUM_SPLITS
-    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS
-    lse = tl.load(lse_ptr + row + s, mask=mask_s, other=float("-inf"))
-    # Empty splits (lse = -inf) get weight 0. A row with no keys at all (seq_len 0: nothing the
-    # engine sends, but a padded row could) has every split empty: its output is 0, not NaN.
-    top = tl.max(lse, axis=0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    mask_d = d < HEAD_DIM
-    part = tl.load(part_ptr + (row + s)[:, None] * BLOCK_D + d[None, :], mask=mask_s[:, None] & mask_d[None, :],
-                   other=0.0)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(part * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+        tl.store(lse_ptr + rows + split, lse, mask=mask_g)
+        tl.debug_barrier()  # every thread's partial results are written before the arrival is counted
+        counter = count_ptr + seq * num_kv_heads + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            # .cg: from L2, where the other programs' stores are, never a stale L1 line
+            top = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+            for s in range(0, num_splits):
+                top = tl.maximum(top, tl.load(lse_ptr + rows + s, mask=mask_g, other=float("-inf"),
+                                              cache_modifier=".cg"))
+            # Empty splits (lse = -inf) get weight 0. A row with no keys at all (seq_len 0: nothing
+            # the engine sends, but a padded row could) has every split empty: its output is 0, not NaN.
+            top = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.zeros((BLOCK_G,), dtype=tl.float32)
+            combined = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+            for s in range(0, num_splits):
+                weight = tl.exp2(tl.load(lse_ptr + rows + s, mask=mask_g, other=float("-inf"),
+                                         cache_modifier=".cg") - top)
+                part = tl.load(part_ptr + (rows + s)[:, None] * BLOCK_D + d[None, :], mask=mask_q, other=0.0,
+                               cache_modifier=".cg")
+                combined += part * weight[:, None]
+                total += weight
+            out = combined / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_q)
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes step by step
@@ -349,6 +424,46 @@ def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_size: i
     return 1 << (max(want, 1).bit_length() - 1)
 
 
+def _check_decode_batch(batch: int, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(f"block_tables must be [{batch}, max_blocks] and seq_lens [{batch}], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+
+
+def _launch_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   positions: torch.Tensor | None, slots: torch.Tensor | None, inv_freq: torch.Tensor | None,
+                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, out: torch.Tensor,
+                   max_seq_len: int, scale: float, sliding_window: int | None, num_splits: int | None) -> None:
+    """The one launch of a decode step's attention (both entry points below)."""
+    sliding, window = _window(sliding_window)
+    batch, num_heads, head_dim = out.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if num_splits is None:
+        num_splits = decode_splits(batch, num_kv_heads, max_seq_len, block_size)
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if batch == 0:
+        return
+    block_d = _block_d(head_dim)
+    device = out.device
+    rows = batch * num_heads * num_splits if num_splits > 1 else 0
+    scratch = workspace(device, rows * (block_d + 1))
+    counters = arrival_counters(device, batch * num_kv_heads)
+    new_kv = positions is not None
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_new, v_new, k_cache, v_cache, block_tables, seq_lens, positions if new_kv else seq_lens,
+        slots if new_kv else seq_lens, inv_freq if new_kv else scratch, q if q_norm is None else q_norm,
+        q if k_norm is None else k_norm, out, scratch, scratch[rows * block_d:], counters, scale * LOG2E, window,
+        eps, num_splits, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv, QK_NORM=q_norm is not None,
+        BLOCK_G=max(MIN_BLOCK, next_power_of_2(num_heads // num_kv_heads)), BLOCK_D=block_d, BLOCK_N=block_size,
+        num_warps=TURING_DECODE_NUM_WARPS if _capability(device) < (8, 0) else 4,
+    )
+
+
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, max_seq_len: int, scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None) -> torch.Tensor:
@@ -367,38 +482,69 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         ``[B, num_heads, head_dim]`` in ``query.dtype``.
     """
     _check_cache(k_cache, v_cache)
-    group = _check_query(query, k_cache)
-    sliding, window = _window(sliding_window)
-    batch, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(f"block_tables must be [{batch}, max_blocks] and seq_lens [{batch}], got "
-                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
-    if num_splits is None:
-        num_splits = decode_splits(batch, num_kv_heads, max_seq_len, block_size)
-    elif num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    _check_query(query, k_cache)
+    _check_decode_batch(query.shape[0], block_tables, seq_lens)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if batch == 0:
-        return out
-    block_d = _block_d(head_dim)
-    if num_splits > 1:
-        part = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
-        lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
-    else:
-        part = lse = out  # unused: the kernel writes the result itself
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part, lse, scale * LOG2E, window,
-        query.stride(0), query.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SLIDING=sliding,
-        BLOCK_G=max(MIN_BLOCK, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_size,
-    )
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d,
-        )
+    _launch_decode(query, query, query, k_cache, v_cache, block_tables, seq_lens, None, None, None, None, None, 0.0,
+                   out, max_seq_len, scale, sliding_window, num_splits)
+    return out
+
+
+def decode_attention_new_token(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
+                               slot_mapping: torch.Tensor, inv_freq: torch.Tensor, max_seq_len: int, scale: float,
+                               sliding_window: int | None = None, q_norm: torch.Tensor | None = None,
+                               k_norm: torch.Tensor | None = None, eps: float = 0.0,
+                               num_splits: int | None = None) -> torch.Tensor:
+    """A decode step's whole attention in one launch, straight from the qkv projection: RoPE of q
+    and of the new k (after the per-head q/k RMSNorm when ``q_norm``/``k_norm`` are given, as
+    Qwen3 has), the new K/V written to their slots, and attention over the cached context plus the
+    new token. What ``rope_qk_`` + :func:`write_kv` + :func:`decode_attention` compute, in one
+    kernel instead of three (issue 19).
+
+    Args:
+        qkv: ``[B, (num_heads + 2 * num_kv_heads) * head_dim]``, q then k then v per row, as the
+            fused projection (bias included) writes them; rows contiguous.
+        k_cache, v_cache, block_tables: as :func:`decode_attention`; the new K/V are not yet in
+            the cache.
+        seq_lens: ``[B]`` int32 lengths, the new token included (each >= 1).
+        positions: ``[B]`` the new tokens' positions; ``slot_mapping``: ``[B]`` their slots (a
+            negative slot, a padding row, is not written).
+        inv_freq: ``[head_dim / 2]`` fp32 RoPE frequencies (scaling applied).
+        q_norm, k_norm: ``[head_dim]`` weights of the per-head RMSNorms, both or neither; ``eps``.
+
+    Returns:
+        ``[B, num_heads, head_dim]`` in ``qkv.dtype``.
+    """
+    _check_cache(k_cache, v_cache)
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    batch = qkv.shape[0]
+    if qkv.ndim != 2 or qkv.shape[1] % head_dim or (qkv.shape[1] // head_dim - 2 * num_kv_heads) % num_kv_heads \
+            or qkv.shape[1] // head_dim <= 2 * num_kv_heads:
+        raise ValueError(f"qkv must be [B, (num_heads + 2 * {num_kv_heads}) * {head_dim}] with num_heads a multiple "
+                         f"of {num_kv_heads}, got {tuple(qkv.shape)}")
+    if qkv.dtype not in _DTYPES or qkv.device != k_cache.device or (batch and qkv.stride(1) != 1):
+        raise ValueError(f"qkv must be float16, bfloat16 or float32 rows on {k_cache.device}, contiguous along "
+                         f"a row; got {qkv.dtype} on {qkv.device}")
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    _check_decode_batch(batch, block_tables, seq_lens)
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be [{batch}] int32/int64, got {tuple(t.shape)} {t.dtype}")
+    if inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != torch.float32:
+        raise ValueError(f"inv_freq must be [{head_dim // 2}] float32, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if t is not None and (t.shape != (head_dim,) or t.dtype != qkv.dtype or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous [{head_dim}] {qkv.dtype} tensor")
+    num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+    heads = qkv.view(batch, -1, head_dim)
+    q, k, v = heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
+    out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    _launch_decode(q, k, v, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping, inv_freq, q_norm,
+                   k_norm, eps, out, max_seq_len, scale, sliding_window, num_splits)
     return out
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from llmd.kernels.launch import cdiv, next_power_of_2
+from llmd.kernels.launch import arrival_counters, cdiv, next_power_of_2, workspace
 from llmd.quant.int4 import GROUP_SIZES as INT4_GROUP_SIZES
 from llmd.quant.int4 import Int4Weight, dequantize_int4
 from llmd.quant.int8 import Int8Weight, dequantize_int8
@@ -96,7 +96,6 @@ def _dense_matmul(x: torch.Tensor, rows: int, dequantize) -> torch.Tensor:
 
 
 _sm_counts: dict[int, int] = {}
-_arrival_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _programs_wanted(device: torch.device) -> int:
@@ -106,17 +105,6 @@ def _programs_wanted(device: torch.device) -> int:
     if index not in _sm_counts:
         _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return GEMV_PROGRAMS_PER_SM * _sm_counts[index]
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Split-K arrival counters, one per column block, zero between launches (each launch's last
-    programs reset theirs). Grown, never shrunk: a decode step's sizes are all seen in the warm-up
-    run before any CUDA graph is captured."""
-    held = _arrival_counters.get(device)
-    if held is None or held.numel() < n:
-        held = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _arrival_counters[device] = held
-    return held
 
 
 def _gemv_split(n_blocks: int, k_iters: int, device: torch.device) -> int:
@@ -512,20 +500,6 @@ def _unfused(x: torch.Tensor, fusion: _Fusion, matmul) -> torch.Tensor:
     return out
 
 
-_workspaces: dict[torch.device, torch.Tensor] = {}
-
-
-def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """fp32 scratch for split-K partial sums, shared by every GEMV launch on ``device`` (launches on
-    one stream run in order, so one buffer serves all). Grown, never shrunk: after the warm-up run no
-    step allocates, and a captured CUDA graph keeps pointing at the same memory."""
-    held = _workspaces.get(device)
-    if held is None or held.numel() < numel:
-        held = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
-        _workspaces[device] = held
-    return held
-
-
 def _launch_gemv(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], out: torch.Tensor, n: int, k: int,
                  block_k: int, split: int, fusion: _Fusion, constexprs: dict) -> None:
     """``out = fused(x @ W^T)`` for up to GEMV_MAX_M rows in one launch (more, in launches of
@@ -534,13 +508,13 @@ def _launch_gemv(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], out
     if x.stride(1) != 1:
         x = x.contiguous()
     n_blocks = cdiv(n, GEMV_BLOCK_N)
-    counters = _counters(x.device, n_blocks)
+    counters = arrival_counters(x.device, n_blocks)
     k_iters = cdiv(k, block_k)
     res = fusion.residual
     for start in range(0, m, GEMV_DOT_BLOCK_M):
         rows = min(m - start, GEMV_DOT_BLOCK_M)
         block_m = 1 if rows == 1 else GEMV_DOT_BLOCK_M
-        part = _workspace(x.device, split * block_m * n) if split > 1 else out
+        part = workspace(x.device, split * block_m * n) if split > 1 else out
         kernel[(n_blocks, split)](
             x[start:], *weights, out[start:], part, counters,
             x if fusion.norm_weight is None else fusion.norm_weight, x if fusion.bias is None else fusion.bias,

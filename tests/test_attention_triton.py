@@ -180,6 +180,68 @@ def test_a_row_without_keys_gives_zeros_not_nan() -> None:
         assert torch.equal(out[1], torch.zeros_like(out[1])) and max_err(out[0], expected[0]) < 1e-5
 
 
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in fp32 (llmd.daemon.models.layers' formula) of ``x [T, heads, D]``."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    x = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * emb.cos()[:, None, :] + rotated * emb.sin()[:, None, :]
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return w.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), CASES, ids=case_id)
+@pytest.mark.parametrize("variant", ["plain", "qk_norm+window"])
+def test_decode_from_the_qkv_projection(num_kv_heads: int, group: int, head_dim: int, block_size: int,
+                                        dtype: torch.dtype, variant: str) -> None:
+    """The fused decode attention (RoPE, q/k norm, KV write, attention over context + new token)
+    against the reference chain: RoPE in fp32, the new K/V written, then paged attention. A padding
+    row (slot -1, a context of 1) writes nothing; every split count; the cache outside the new
+    tokens' slots is untouched, bit for bit."""
+    g = torch.Generator().manual_seed(head_dim + group)
+    seq_lens = [*SEQ_LENS, 1]
+    batch = paged_batch([1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=10)
+    heads = num_kv_heads * group
+    qkv = torch.randn(len(seq_lens), (heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor(seq_lens) - 1
+    slots = torch.tensor([int(batch.block_tables[i, p // block_size]) * block_size + p % block_size
+                          for i, p in enumerate(positions.tolist())])
+    slots[-1] = -1  # the padding row
+    inv_freq = 1.0 / (10_000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    window, norms, eps = (None, (None, None), 0.0) if variant == "plain" else \
+        (20, (torch.randn(head_dim, generator=g).to(dtype), torch.randn(head_dim, generator=g).to(dtype)), 1e-6)
+    q, k, v = qkv.view(len(seq_lens), -1, head_dim).split([heads, num_kv_heads, num_kv_heads], dim=1)
+    if norms[0] is not None:
+        q, k = rms_norm_ref(q, norms[0], eps), rms_norm_ref(k, norms[1], eps)
+    q, k = rope_ref(q, positions, inv_freq), rope_ref(k, positions, inv_freq)
+    want_k, want_v = batch.k_cache.float(), batch.v_cache.float()
+    keep = slots >= 0
+    ref.write_kv(want_k, want_v, k[keep], v[keep].float(), slots[keep])
+    expected = ref.paged_attention(q, want_k, want_v, batch.query_lens, seq_lens, batch.block_tables,
+                                   head_dim ** -0.5, window)
+    written = torch.zeros(want_k.shape[:2], dtype=torch.bool)
+    written.view(-1)[slots[keep]] = True
+    for splits in (None, 1, 3, 8):
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        out = at.decode_attention_new_token(qkv, k_cache, v_cache, batch.block_tables, batch.seq_lens_t, positions,
+                                            slots, inv_freq, max(seq_lens), head_dim ** -0.5, window, *norms, eps,
+                                            num_splits=splits)
+        assert out.dtype == dtype and out.shape == (len(seq_lens), heads, head_dim)
+        # the rotated K rounds to the dtype (fp16: 2^-11 of |k| ~ 3, the norm's weight included)
+        assert max_err(out[keep], expected[keep]) < 2 * TOLERANCE[dtype], f"num_splits={splits}"
+        assert out[~keep].isfinite().all()  # the padding row: its own token (not in the cache) only
+        assert max_err(k_cache[written], want_k[written]) < TOLERANCE[dtype] * 4
+        assert torch.equal(v_cache[written], want_v[written].to(dtype))
+        assert torch.equal(k_cache[~written], batch.k_cache[~written])
+        assert torch.equal(v_cache[~written], batch.v_cache[~written])
+    assert int(at.arrival_counters(qkv.device, 1).abs().sum()) == 0, "every counter reset for the next launch"
+
+
 def test_unsupported_shapes() -> None:
     assert at.unsupported(16, 128, torch.bfloat16) is None and at.unsupported(32, 80, torch.float32) is None
     for block_size in (8, 24, 64):
@@ -219,6 +281,24 @@ def test_invalid_inputs_raise() -> None:
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             at.decode_attention(**(args | change))
+    qkv = torch.randn(2, (4 + 2 * 2) * 64)
+    new = dict(qkv=qkv, k_cache=batch.k_cache, v_cache=batch.v_cache, block_tables=batch.block_tables,
+               seq_lens=batch.seq_lens_t, positions=torch.tensor([4, 8]), slot_mapping=torch.tensor([3, 40]),
+               inv_freq=torch.ones(32), max_seq_len=9, scale=0.125)
+    bad = [
+        (dict(qkv=torch.randn(2, 4 * 64)), "qkv must be"),  # no room for k and v
+        (dict(qkv=torch.randn(2, 7 * 64)), "qkv must be"),  # 3 query heads on 2 KV heads
+        (dict(qkv=qkv.T.contiguous().T), "contiguous along a row"),
+        (dict(positions=torch.tensor([4])), "positions must be"),
+        (dict(slot_mapping=torch.tensor([3.0, 4.0])), "slot_mapping must be"),
+        (dict(inv_freq=torch.ones(64)), "inv_freq must be"),
+        (dict(q_norm=torch.ones(64)), "come together"),
+        (dict(q_norm=torch.ones(32), k_norm=torch.ones(32)), "q_norm must be"),
+        (dict(num_splits=0), "num_splits"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            at.decode_attention_new_token(**(new | change))
     with pytest.raises(ValueError, match="query_start_loc"):
         at.extend_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
                             torch.tensor([0, 1], dtype=torch.int32), batch.seq_lens_t, 1, 0.125)
@@ -229,7 +309,8 @@ def test_invalid_inputs_raise() -> None:
 # Every kernel compiled for every GPU generation (see gpu_compile.py) as the runtime launches it: the
 # alignment hints it sees (pointers and strides, but the unspecialised block-table width), the extend
 # kernel's warps and its largest tile for the architecture; fp16 everywhere, bf16 from sm_80, fp32 on
-# sm_80 (IEEE dots); with and without a sliding window, one split and several. Each must fit in the
+# sm_80 (IEEE dots); decode as fed by the qkv projection (RoPE, q/k norm, KV write) and not, with and
+# without a sliding window. Each must fit in the
 # 64 KiB of shared memory of the smallest targeted card and spill no registers.
 COMPILE_FOR_GPU = """
 import llmd.kernels.attention_triton as at
@@ -255,21 +336,21 @@ for arch in ARCHS:
         kernels = [("write_kv", compile_for(at._write_kv_kernel, sig,
                                             dict(NUM_KV_HEADS=3, HEAD_DIM=80, BLOCK_H=4, BLOCK_D=128), arch,
                                             aligned(sig)))]
-        for splits, sliding in ((1, False), (4, True)):
-            sig = dict(common, **cache, part_ptr="*fp32", lse_ptr="*fp32")
-            kernels.append((f"decode splits={splits}", compile_for(
-                at._decode_kernel, sig, dict(GROUP=8, HEAD_DIM=head_dim, NUM_SPLITS=splits, SLIDING=sliding,
-                                             BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n), arch, aligned(sig))))
+        for new_kv, sliding in ((False, False), (True, True)):  # the split count is a runtime argument
+            sig = dict(common, **cache, k_new_ptr=f"*{dt}", v_new_ptr=f"*{dt}", pos_ptr="*i64", slot_ptr="*i64",
+                       inv_freq_ptr="*fp32", q_norm_ptr=f"*{dt}", k_norm_ptr=f"*{dt}", part_ptr="*fp32",
+                       lse_ptr="*fp32", count_ptr="*i32", eps="fp32", num_splits="i32", stride_kt="i32",
+                       stride_kh="i32", stride_vt="i32", stride_vh="i32")
+            kernels.append((f"decode new_kv={new_kv} window={sliding}", compile_for(
+                at._decode_kernel, sig, dict(GROUP=8, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv,
+                                             QK_NORM=new_kv, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n),
+                arch, aligned(sig), num_warps=at.TURING_DECODE_NUM_WARPS if arch < 80 else 4)))
             sig = dict(common, **cache, query_start_ptr="*i32")
             block_m = at.extend_block_m(4096, torch_dtype, (arch // 10, arch % 10))
             kernels.append((f"extend window={sliding} BLOCK_M={block_m}", compile_for(
                 at._extend_kernel, sig, dict(GROUP=4, HEAD_DIM=head_dim, SLIDING=sliding, BLOCK_M=block_m,
                                              BLOCK_D=head_dim, BLOCK_N=block_n), arch, aligned(sig),
                 num_warps=at.EXTEND_NUM_WARPS)))
-        sig = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{dt}", stride_ot="i32", stride_oh="i32")
-        kernels.append(("decode_reduce", compile_for(
-            at._decode_reduce_kernel, sig, dict(HEAD_DIM=96, NUM_SPLITS=at.MAX_SPLITS, BLOCK_S=at.MAX_SPLITS,
-                                               BLOCK_D=128), arch, aligned(sig))))
         for label, kernel in kernels:
             r = ptxas_report(kernel)
             print(label, dt, r)
@@ -283,4 +364,4 @@ for label, dt, r in reports:
 
 def test_kernels_compile_for_every_gpu_generation(tmp_path: Path) -> None:
     out = compile_for_gpu(COMPILE_FOR_GPU, tmp_path)
-    assert out.count("'registers'") == 6 * (5 + 4 + 1), out[-2000:]
+    assert out.count("'registers'") == 5 * (5 + 4 + 1), out[-2000:]

@@ -12,6 +12,7 @@ import torch
 from gpu_compile import compile_for_gpu
 
 import llmd.kernels.quant_matmul_triton as qmt
+from llmd.kernels.launch import arrival_counters
 from llmd.quant.int4 import Int4Weight, dequantize_int4, quantize_int4
 from llmd.quant.int8 import Int8Weight, dequantize_int8, quantize_int8
 
@@ -256,7 +257,7 @@ def test_int4_gemv_split_k_is_deterministic_and_resets_its_counters() -> None:
     block_k, split = qmt.gemv_plan(100, 512, x.device)
     assert split > 1, "the test needs split-K"
     first = qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 32, path="gemv")
-    assert int(qmt._counters(x.device, 1).abs().sum()) == 0
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
     second = qmt.int4_matmul(x, qw.packed, qw.scales, qw.mins, 32, path="gemv")
     assert torch.equal(first, second)
     assert rel_err(first, x @ dequantize_int4(qw).T) < TOLERANCE[torch.float32]
