@@ -4,9 +4,10 @@
     .venv/bin/python benchmarks/decode_launches.py --batch 1 8 --steps 32 --detail
 
 The engine runs the default model with the code paths it takes on a GPU: the Triton attention
-backend, the Triton INT4/INT8 matmuls on the projections, the dense LM head, and the decoder
-layers' norms, RoPE and SiLU either as torch operations ("torch ops", as before issue 19) or as the
-fused Triton kernels ("fused"). Triton runs in interpreter mode with every kernel launch counted
+backend, the Triton INT4/INT8 matmuls on the projections and the dense LM head. Decode steps run
+three ways: layer by layer with the norms, RoPE and SiLU as torch operations ("torch ops", as before
+issue 19), layer by layer with them as one Triton kernel each ("fused ops"), and the fused decode
+step, llmd.kernels.decode_triton, five launches a layer ("fused step", what a GPU runs). Triton runs in interpreter mode with every kernel launch counted
 and *not executed* (the numbers are garbage; only the host side is measured), so a step takes the
 host's time only. `--batch` requests decode greedily; over `--steps` pure decode steps it reports:
 
@@ -180,14 +181,17 @@ def main() -> None:
     layers = model.config.num_layers
     print(f"{layers} layers, {args.dtype}; Triton kernels counted, not run; est. us = host us + "
           f"{args.launch_us:g} us x launches")
-    print(f"{'batch':>5} {'layer ops':>9} {'triton':>7} {'torch':>6} {'copies':>6} {'launches':>8} {'/layer':>6} "
+    print(f"{'batch':>5} {'decode':>10} {'triton':>7} {'torch':>6} {'copies':>6} {'launches':>8} {'/layer':>6} "
           f"{'reads':>5} {'host us':>8} {'est. us':>8}")
+    step = model.decode_step
+    modes = (("torch ops", TorchLayerOps(), None), ("fused ops", TritonLayerOps(), None),
+             ("fused step", TritonLayerOps(), step))
     for batch in args.batch:
-        for name, ops in (("torch ops", TorchLayerOps()), ("fused", TritonLayerOps())):
-            model.layer_ops = ops
+        for name, ops, decode_step in modes:
+            model.layer_ops, model.decode_step = ops, decode_step
             r = measure(llm, batch, args.steps)
             launches = r["triton"] + r["torch"] + r["copies"]
-            print(f"{batch:>5} {name:>9} {r['triton']:>7.0f} {r['torch']:>6.0f} {r['copies']:>6} {launches:>8.0f} "
+            print(f"{batch:>5} {name:>10} {r['triton']:>7.0f} {r['torch']:>6.0f} {r['copies']:>6} {launches:>8.0f} "
                   f"{launches / layers:>6.1f} {r['reads']:>5.0f} {r['host_us']:>8.0f} "
                   f"{r['host_us'] + args.launch_us * launches:>8.0f}")
             if args.detail:

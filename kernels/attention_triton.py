@@ -47,7 +47,9 @@ interpreter in the tests, and ``tests/test_attention_triton.py`` compiles each f
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -173,10 +175,10 @@ def _rope_tile(ptr, offs, offs_p, mask, d, cos, sin, norm_ptr, eps, HEAD_DIM: tl
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])  # both change step by step
-def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                    pos_ptr, slot_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
                    scale_log2, window, eps, num_splits,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                   stride_qt, stride_qh, stride_bt,
                    stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
                    QK_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -230,11 +232,12 @@ def _decode_kernel(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, block_
         if split == num_splits - 1:  # the new token: always visible, attended last, then stored
             # (k and v loaded here, not before the loop: registers held across it spilled on sm_75)
             cos, sin = _rope_angles(pos_ptr + seq, inv_freq_ptr, d, mask_d, q_ptr.dtype.element_ty, HEAD_DIM)
-            k_row = seq * stride_kt + kv_head * stride_kh
-            k_new = _rope_tile(k_new_ptr, k_row + d[None, :], k_row + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
+            # a qkv row holds the heads q..., k..., v..., each stride_qh apart
+            k_row = seq * stride_qt + (num_heads + kv_head) * stride_qh
+            k_new = _rope_tile(q_ptr, k_row + d[None, :], k_row + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
                                mask_d[None, :], d, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)  # [1, BLOCK_D]
-            v_new = tl.load(v_new_ptr + seq * stride_vt + kv_head * stride_vh + d[None, :], mask=mask_d[None, :],
-                            other=0.0)
+            v_row = seq * stride_qt + (num_heads + num_kv_heads + kv_head) * stride_qh
+            v_new = tl.load(q_ptr + v_row + d[None, :], mask=mask_d[None, :], other=0.0)
             s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2
             m_new = tl.maximum(m_i, s)
             alpha = tl.exp2(m_i - m_new)
@@ -415,6 +418,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     )
 
 
+@functools.lru_cache(maxsize=4096)  # a decode step asks once per layer
 def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
     """Splits per sequence for a decode step: enough programs to fill a GPU, each split at least
     ``MIN_BLOCKS_PER_SPLIT`` blocks long; a power of two (each value compiles its own kernel)."""
@@ -430,38 +434,20 @@ def _check_decode_batch(batch: int, block_tables: torch.Tensor, seq_lens: torch.
                          f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
 
 
-def _launch_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   positions: torch.Tensor | None, slots: torch.Tensor | None, inv_freq: torch.Tensor | None,
-                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, out: torch.Tensor,
-                   max_seq_len: int, scale: float, sliding_window: int | None, num_splits: int | None) -> None:
-    """The one launch of a decode step's attention (both entry points below)."""
-    sliding, window = _window(sliding_window)
-    batch, num_heads, head_dim = out.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if num_splits is None:
-        num_splits = decode_splits(batch, num_kv_heads, max_seq_len, block_size)
-    elif num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if batch == 0:
-        return
-    block_d = _block_d(head_dim)
-    device = out.device
+def _decode_kwargs(group: int, head_dim: int, block_size: int, sliding: bool, new_kv: bool, qk_norm: bool,
+                   device: torch.device) -> dict:
+    """The decode kernel's constexprs and warps."""
+    return dict(GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv, QK_NORM=qk_norm,
+                BLOCK_G=max(MIN_BLOCK, next_power_of_2(group)), BLOCK_D=_block_d(head_dim), BLOCK_N=block_size,
+                num_warps=TURING_DECODE_NUM_WARPS if _capability(device) < (8, 0) else 4)
+
+
+def _scratch(device: torch.device, batch: int, num_heads: int, num_kv_heads: int, num_splits: int,
+             block_d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(part, lse, counters)`` of a launch with ``num_splits`` splits (none needed for one)."""
     rows = batch * num_heads * num_splits if num_splits > 1 else 0
     scratch = workspace(device, rows * (block_d + 1))
-    counters = arrival_counters(device, batch * num_kv_heads)
-    new_kv = positions is not None
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_new, v_new, k_cache, v_cache, block_tables, seq_lens, positions if new_kv else seq_lens,
-        slots if new_kv else seq_lens, inv_freq if new_kv else scratch, q if q_norm is None else q_norm,
-        q if k_norm is None else k_norm, out, scratch, scratch[rows * block_d:], counters, scale * LOG2E, window,
-        eps, num_splits, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv, QK_NORM=q_norm is not None,
-        BLOCK_G=max(MIN_BLOCK, next_power_of_2(num_heads // num_kv_heads)), BLOCK_D=block_d, BLOCK_N=block_size,
-        num_warps=TURING_DECODE_NUM_WARPS if _capability(device) < (8, 0) else 4,
-    )
+    return scratch, scratch[rows * block_d:], arrival_counters(device, batch * num_kv_heads)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -482,12 +468,152 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         ``[B, num_heads, head_dim]`` in ``query.dtype``.
     """
     _check_cache(k_cache, v_cache)
-    _check_query(query, k_cache)
-    _check_decode_batch(query.shape[0], block_tables, seq_lens)
+    group = _check_query(query, k_cache)
+    sliding, window = _window(sliding_window)
+    batch, num_heads, head_dim = query.shape
+    _check_decode_batch(batch, block_tables, seq_lens)
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_splits = _check_splits(num_splits, batch, num_kv_heads, max_seq_len, block_size)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    _launch_decode(query, query, query, k_cache, v_cache, block_tables, seq_lens, None, None, None, None, None, 0.0,
-                   out, max_seq_len, scale, sliding_window, num_splits)
+    if batch == 0:
+        return out
+    part, lse, counters = _scratch(query.device, batch, num_heads, num_kv_heads, num_splits, _block_d(head_dim))
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, seq_lens, seq_lens, part, query, query, out, part, lse,
+        counters, scale * LOG2E, window, 0.0, num_splits, query.stride(0), query.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+        **_decode_kwargs(group, head_dim, block_size, sliding, False, False, query.device))
     return out
+
+
+def _check_splits(num_splits: int | None, batch: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
+    if num_splits is None:
+        return decode_splits(batch, num_kv_heads, max_seq_len, block_size)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return num_splits
+
+
+class NewTokenDecode:
+    """A decode step's whole attention for one layer in one launch, straight from the qkv
+    projection: RoPE of q and of the new k (after the per-head q/k RMSNorm when ``q_norm`` and
+    ``k_norm`` are given, as Qwen3 has), the new K/V written to their slots, and attention over the
+    cached context plus the new token. What ``rope_qk_`` + :func:`write_kv` +
+    :func:`decode_attention` compute, in one kernel instead of three (issue 19).
+
+    The layer's shapes are checked once, here, and each KV cache once, at its first call: the
+    decode step calls this 30 times a step, where checks cost more host time than the launch.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: the layer's shape.
+        inv_freq: ``[head_dim / 2]`` fp32 RoPE frequencies (scaling applied).
+        scale: the attention's; ``sliding_window``: the layer's, or None.
+        q_norm, k_norm: ``[head_dim]`` weights of the per-head RMSNorms, both or neither; ``eps``.
+        num_splits: force the split-K count (tests); default :func:`decode_splits`.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor, scale: float,
+                 sliding_window: int | None = None, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None, eps: float = 0.0, num_splits: int | None = None) -> None:
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads on {num_kv_heads} KV heads: not a multiple")
+        if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"RoPE needs an even head_dim of at most {MAX_HEAD_DIM}, got {head_dim}")
+        if inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != torch.float32:
+            raise ValueError(f"inv_freq must be [{head_dim // 2}] float32, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm come together")
+        for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if t is not None and (t.shape != (head_dim,) or t.dtype not in _DTYPES or not t.is_contiguous()
+                                  or t.device != inv_freq.device):
+                raise ValueError(f"{name} must be a contiguous [{head_dim}] float tensor on {inv_freq.device}")
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.width = (num_heads + 2 * num_kv_heads) * head_dim
+        self.inv_freq, self.q_norm, self.k_norm, self.eps = inv_freq, q_norm, k_norm, eps
+        self.sliding, self.window = _window(sliding_window)
+        self.scale_log2 = scale * LOG2E
+        self.num_splits = num_splits
+        self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kwargs: dict | None = None
+        self._launches: dict[tuple[int, int], Callable] = {}  # by (rows, splits), for the cache checked
+
+    def _check_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
+        _check_cache(k_cache, v_cache)
+        if k_cache.shape[2:] != (self.num_kv_heads, self.head_dim) or k_cache.dtype != dtype:
+            raise ValueError(f"the KV cache must hold {self.num_kv_heads} heads of {self.head_dim} in {dtype}, got "
+                             f"{tuple(k_cache.shape)} {k_cache.dtype}")
+        if self.q_norm is not None and self.q_norm.dtype != dtype:
+            raise ValueError(f"q_norm must be {dtype}, got {self.q_norm.dtype}")
+        self._checked = (k_cache, v_cache)
+        self._launches.clear()  # they hold the old cache's strides
+        self._kwargs = _decode_kwargs(self.num_heads // self.num_kv_heads, self.head_dim, k_cache.shape[1],
+                                      self.sliding, True, self.q_norm is not None, k_cache.device)
+
+    def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Args:
+            qkv: ``[B, (num_heads + 2 * num_kv_heads) * head_dim]``, q then k then v per row, as the
+                fused projection (bias included) writes them; contiguous.
+            k_cache, v_cache, block_tables: as :func:`decode_attention`; the new K/V are not yet
+                in the cache.
+            seq_lens: ``[B]`` int32 lengths, the new token included (each >= 1).
+            positions: ``[B]`` the new tokens' positions; ``slot_mapping``: ``[B]`` their slots (a
+                negative slot, a padding row, is not written).
+            max_seq_len: ``max(seq_lens)``, known on the host (the split count).
+            out: a contiguous ``[B, num_heads, head_dim]`` tensor of qkv's dtype to write into.
+
+        Returns:
+            ``[B, num_heads, head_dim]`` in ``qkv.dtype`` (``out`` if given).
+        """
+        batch = qkv.shape[0]
+        if qkv.ndim != 2 or qkv.shape[1] != self.width or not qkv.is_contiguous():
+            raise ValueError(f"qkv must be a contiguous [B, {self.width}] tensor (q, k, v heads), got "
+                             f"{tuple(qkv.shape)}")
+        if self._checked is None or self._checked[0] is not k_cache or self._checked[1] is not v_cache:
+            self._check_cache(k_cache, v_cache, qkv.dtype)
+            if qkv.device != k_cache.device:
+                raise ValueError(f"qkv is on {qkv.device}, the KV cache on {k_cache.device}")
+            _check_decode_batch(batch, block_tables, seq_lens)
+            for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+                if t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64):
+                    raise ValueError(f"{name} must be [{batch}] int32/int64, got {tuple(t.shape)} {t.dtype}")
+        if qkv.dtype != k_cache.dtype:
+            raise ValueError(f"qkv is {qkv.dtype}, the KV cache {k_cache.dtype}")
+        if out is None:
+            out = torch.empty((batch, self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
+        elif out.shape != (batch, self.num_heads, self.head_dim) or out.dtype != qkv.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{batch}, {self.num_heads}, {self.head_dim}] {qkv.dtype} "
+                             f"tensor, got {tuple(out.shape)} {out.dtype}")
+        if batch == 0:
+            return out
+        num_splits = self.num_splits or decode_splits(batch, self.num_kv_heads, max_seq_len, k_cache.shape[1])
+        launch = self._launches.get((batch, num_splits)) or self._launch(qkv, k_cache, batch, num_splits)
+        launch(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping, out, block_tables.stride(0))
+        return out
+
+    def _launch(self, qkv: torch.Tensor, k_cache: torch.Tensor, batch: int, num_splits: int) -> Callable:
+        """The launch of ``batch`` rows in ``num_splits`` splits, everything but the step's tensors
+        bound (the scratch too: a buffer grown out of later stays valid, kernels/launch.py)."""
+        part, lse, counters = _scratch(qkv.device, batch, self.num_heads, self.num_kv_heads, num_splits,
+                                       _block_d(self.head_dim))
+        kernel = _decode_kernel[(batch, self.num_kv_heads, num_splits)]
+        q_norm = qkv if self.q_norm is None else self.q_norm
+        k_norm = qkv if self.k_norm is None else self.k_norm
+        row, head = qkv.stride(0), self.head_dim
+        cache_strides = k_cache.stride()[:3]
+        out_row = self.num_heads * self.head_dim
+        constants = (self.scale_log2, self.window, self.eps, num_splits)
+        kwargs = self._kwargs
+
+        def launch(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, out, stride_bt):
+            kernel(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, self.inv_freq, q_norm, k_norm,
+                   out, part, lse, counters, *constants, row, head, stride_bt, *cache_strides, out_row, head, **kwargs)
+
+        self._launches[(batch, num_splits)] = launch
+        return launch
 
 
 def decode_attention_new_token(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -496,56 +622,20 @@ def decode_attention_new_token(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache
                                sliding_window: int | None = None, q_norm: torch.Tensor | None = None,
                                k_norm: torch.Tensor | None = None, eps: float = 0.0,
                                num_splits: int | None = None) -> torch.Tensor:
-    """A decode step's whole attention in one launch, straight from the qkv projection: RoPE of q
-    and of the new k (after the per-head q/k RMSNorm when ``q_norm``/``k_norm`` are given, as
-    Qwen3 has), the new K/V written to their slots, and attention over the cached context plus the
-    new token. What ``rope_qk_`` + :func:`write_kv` + :func:`decode_attention` compute, in one
-    kernel instead of three (issue 19).
-
-    Args:
-        qkv: ``[B, (num_heads + 2 * num_kv_heads) * head_dim]``, q then k then v per row, as the
-            fused projection (bias included) writes them; rows contiguous.
-        k_cache, v_cache, block_tables: as :func:`decode_attention`; the new K/V are not yet in
-            the cache.
-        seq_lens: ``[B]`` int32 lengths, the new token included (each >= 1).
-        positions: ``[B]`` the new tokens' positions; ``slot_mapping``: ``[B]`` their slots (a
-            negative slot, a padding row, is not written).
-        inv_freq: ``[head_dim / 2]`` fp32 RoPE frequencies (scaling applied).
-        q_norm, k_norm: ``[head_dim]`` weights of the per-head RMSNorms, both or neither; ``eps``.
-
-    Returns:
-        ``[B, num_heads, head_dim]`` in ``qkv.dtype``.
-    """
+    """One call of :class:`NewTokenDecode` (which see); the query head count is read from qkv's
+    width and the cache's KV heads."""
     _check_cache(k_cache, v_cache)
     num_kv_heads, head_dim = k_cache.shape[2:]
-    batch = qkv.shape[0]
-    if qkv.ndim != 2 or qkv.shape[1] % head_dim or (qkv.shape[1] // head_dim - 2 * num_kv_heads) % num_kv_heads \
-            or qkv.shape[1] // head_dim <= 2 * num_kv_heads:
+    if qkv.ndim != 2 or qkv.shape[1] % head_dim or qkv.shape[1] // head_dim <= 2 * num_kv_heads \
+            or (qkv.shape[1] // head_dim) % num_kv_heads:
         raise ValueError(f"qkv must be [B, (num_heads + 2 * {num_kv_heads}) * {head_dim}] with num_heads a multiple "
                          f"of {num_kv_heads}, got {tuple(qkv.shape)}")
-    if qkv.dtype not in _DTYPES or qkv.device != k_cache.device or (batch and qkv.stride(1) != 1):
-        raise ValueError(f"qkv must be float16, bfloat16 or float32 rows on {k_cache.device}, contiguous along "
-                         f"a row; got {qkv.dtype} on {qkv.device}")
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    _check_decode_batch(batch, block_tables, seq_lens)
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be [{batch}] int32/int64, got {tuple(t.shape)} {t.dtype}")
-    if inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != torch.float32:
-        raise ValueError(f"inv_freq must be [{head_dim // 2}] float32, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm come together")
-    for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if t is not None and (t.shape != (head_dim,) or t.dtype != qkv.dtype or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous [{head_dim}] {qkv.dtype} tensor")
+    if qkv.dtype not in _DTYPES:
+        raise ValueError(f"qkv must be float16, bfloat16 or float32, got {qkv.dtype}")
     num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
-    heads = qkv.view(batch, -1, head_dim)
-    q, k, v = heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
-    out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    _launch_decode(q, k, v, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping, inv_freq, q_norm,
-                   k_norm, eps, out, max_seq_len, scale, sliding_window, num_splits)
-    return out
+    return NewTokenDecode(num_heads, num_kv_heads, head_dim, inv_freq, scale, sliding_window, q_norm, k_norm, eps,
+                          num_splits)(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping,
+                                      max_seq_len)
 
 
 def extend_block_m(max_query_len: int, dtype: torch.dtype, capability: tuple[int, int] = (8, 0)) -> int:

@@ -76,6 +76,8 @@ class DecodeStep:
         ValueError: shapes the native step does not take (the caller keeps the torch path).
     """
 
+    takes_mixed_steps = True  # a step's decode rows run here, its prompt chunks layer by layer
+
     def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, eps: float, scale: float, threads: int,
                  lib: ctypes.CDLL | None = None) -> None:
@@ -143,10 +145,11 @@ class DecodeStep:
         return kv_caches is self._caches
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor) -> torch.Tensor:
+                 seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
         """Run the step: ``x [M, hidden]`` the new tokens' embeddings (any float dtype; an fp32 one is
         overwritten), ``positions``/``slots`` ``[M]`` int64, ``block_tables [M, W]`` int64, ``seq_lens
-        [M]`` int32 (the new token included). Returns the final norm's output ``[M, hidden]`` fp32."""
+        [M]`` int32 (the new token included); ``max_seq_len`` is not needed here. Returns the final
+        norm's output ``[M, hidden]`` fp32."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         m = x.shape[0]

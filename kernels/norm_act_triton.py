@@ -5,7 +5,10 @@ step launches few kernels (issue 19: a step is launch-bound long before it is ba
 * :func:`rope_qk_`: RoPE of q and k together, in place, with cos/sin computed from the positions
   in the kernel (no per-step cos/sin tables), one launch instead of ~17;
 * :func:`silu_mul`: ``SiLU(gate) * up`` straight from the fused gate/up projection's output, one
-  launch instead of 2 (and no strided copy).
+  launch instead of 2 (and no strided copy);
+* :func:`around_matmul`: the norm or SiLU before a matmul and the bias and residual add after it,
+  as separate kernels: what the quantised GEMVs fuse into their one launch, for the matmuls that
+  do not (prompt chunks, dense projections).
 
 Numerics follow the torch reference in ``llmd.daemon.models.layers`` step by step: the residual
 sum is rounded to the activations' dtype, the norm is taken in fp32 and rounded before the weight
@@ -16,6 +19,8 @@ compiled for GPU targets there.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -167,3 +172,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         grid = (gate_up.shape[0], cdiv(n, SILU_BLOCK))
         _silu_mul_kernel[grid](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4)
     return out
+
+
+def around_matmul(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor], *,
+                  norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
+                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``matmul`` with the decode step's fusions as separate kernels, rounded as the fused GEMVs
+    round (llmd.kernels.quant_matmul_triton): x replaced by ``weight * rms_norm(x)`` (``norm=(weight,
+    eps)``) or by ``SiLU(gate) * up`` (``silu``, x ``[M, 2K]``), then ``bias`` added to the product,
+    then the product added into ``residual`` in place (returned)."""
+    if norm is not None:
+        x = add_rms_norm(x, None, norm[0], norm[1])[0]
+    elif silu:
+        x = silu_mul(x)
+    out = matmul(x)
+    if bias is not None:
+        out = out + bias
+    return out if residual is None else residual.add_(out)

@@ -7,7 +7,7 @@ and multiplied with fp32 accumulation. Three paths per format:
 * INT4 GEMV (decode, ``M <= GEMV_MAX_M``): every row in one program, which reads each weight tile
   once. Decode is memory-bound, so the tile's packed bytes come in 16-byte loads, and the low and
   high nibbles multiply x's even and odd elements (no byte is read twice). One row accumulates
-  elementwise in fp32 and reduces once after the loop; 2..8 rows use ``tl.dot`` (tensor cores)
+  elementwise in fp32 and reduces once after the loop; 2..16 rows use ``tl.dot`` (tensor cores)
   with the rows padded to 16. When the output columns give fewer than ``GEMV_PROGRAMS_PER_SM``
   programs per SM, K is split among programs; the last program of a column block to finish adds
   the splits in a fixed order (deterministic, in the same launch). The dequantised weights are
@@ -15,15 +15,19 @@ and multiplied with fp32 accumulation. Three paths per format:
   barely depends on which kernel its batch size picked.
 * INT8 GEMV: the INT4 GEMV's structure (all rows in one program, split-K, one reduction at the
   end for one row) over int8 tiles whose rows are contiguous bytes.
-* Both GEMVs take the decode step's elementwise work with them (issue 19: a GPU decode step is
-  bound by kernel launches, not by bandwidth): an RMSNorm or ``SiLU(gate) * up`` prologue applied
-  to x as it is loaded (each program recomputes the row's rms, a few KB read from L2), and a bias
-  and residual add on the result as it is stored, in place into the residual stream.
+* GEMM (up to ``DENSE_MIN_M`` rows: a decode step of more than 16 sequences, short prompt
+  chunks): ``BLOCK_M x BLOCK_N`` output tiles, a loop over K in ``BLOCK_K`` steps and ``tl.dot`` on
+  the dequantised tile cast to the activations' dtype (tensor cores for fp16/bf16; fp32
+  activations get an IEEE fp32 dot, as torch's fp32 matmul, not TF32).
 * Dense (prefill above ``DENSE_MIN_M`` rows): the weight dequantised once, in chunks of rows, and
   multiplied by torch (cuBLAS), rounded to the activations' dtype as the kernels round it.
-* GEMM (prefill up to ``DENSE_MIN_M`` rows): ``BLOCK_M x BLOCK_N`` output tiles, a loop over K in ``BLOCK_K`` steps and
-  ``tl.dot`` on the dequantised tile cast to the activations' dtype (tensor cores for fp16/bf16;
-  fp32 activations get an IEEE fp32 dot, as torch's fp32 matmul, not TF32).
+
+The GEMVs and the GEMMs take a decode step's elementwise work with them (issue 19: a GPU decode
+step is bound by kernel launches, not by bandwidth): an RMSNorm or ``SiLU(gate) * up`` prologue
+applied to x as it is loaded (each program recomputes its rows' rms, a few KB read from L2), and
+a bias and residual add on the result as it is stored, in place into the residual stream. The
+dense path runs them as separate kernels. :class:`FusedMatmul` binds a weight and its fusions once
+for the decode step (llmd.kernels.decode_triton), so its ~120 calls skip the per-call checks.
 
 Block sizes are untuned defaults (this project has no GPU to autotune on). The GEMMs' and the INT8
 GEMV's ``BLOCK_K`` divides the group size, so a K tile lies in one group and needs one scale (and
@@ -39,7 +43,7 @@ Tested on the CPU with the Triton interpreter (``TRITON_INTERPRET=1``) against
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -54,7 +58,7 @@ from llmd.quant.int8 import Int8Weight, dequantize_int8
 
 KernelPath = Literal["gemv", "gemm", "dense"]
 
-GEMV_MAX_M = 8  # rows up to which the GEMV kernel runs; beyond, a tensor-core tile is cheaper
+GEMV_MAX_M = 16  # rows up to which the GEMV kernel runs (one 16-row tensor-core tile); beyond, the GEMM
 # Rows above which a prefill dequantises the weight once and multiplies with cuBLAS: the GEMM
 # dequantises every weight tile again for each BLOCK_M rows of x, which stops paying off around here.
 DENSE_MIN_M = 128
@@ -63,7 +67,7 @@ GEMV_BLOCK_N = 32  # small, so a decode step of a 4096-wide layer still launches
 GEMV_MAX_BLOCK_K = 128
 GEMV_MIN_BLOCK_K = 32  # 16 bytes of an INT4 row: one 16-byte load per thread
 GEMV_NORM_BLOCK = 256  # elements of a row per step of a norm prologue's sum of squares
-GEMV_DOT_BLOCK_M = 16  # the GEMVs' rows 2..8 go through tl.dot, whose tiles have >= 16 rows
+GEMV_DOT_BLOCK_M = 16  # the GEMVs' rows 2..16 go through tl.dot, whose tiles have >= 16 rows
 # The INT8 GEMV's K tile on that path: 128 spills registers on sm_75 (fp16) and in fp32 (the compile test).
 GEMV_INT8_DOT_MAX_BLOCK_K = 64
 # Programs a GEMV launch aims for: two per SM of the GPU (split-K makes up what the columns lack);
@@ -72,6 +76,7 @@ GEMV_PROGRAMS_PER_SM = 2
 DEFAULT_SMS = 132
 GEMM_BLOCK_N = 64
 GEMM_MAX_BLOCK_M = 64
+GEMM_NUM_WARPS = 8  # 4 spilled ~0.4 KB with 64-row tiles and a fused prologue on sm_75 (the compile test)
 GEMM_MAX_BLOCK_K = 32  # 64 spills registers on sm_75 (fp16) and in fp32 (tests/test_quant_triton.py)
 MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
 
@@ -293,10 +298,11 @@ def _store_split(acc, out_ptr, part_ptr, count_ptr, bias_ptr, res_ptr, pid_n, sp
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes step by step
-def _int4_gemm_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, M, N, K,
-                      stride_xm, stride_xk, stride_om, stride_on,
-                      GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _int4_gemm_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, norm_w_ptr, bias_ptr, res_ptr, M, N, K, eps,
+                      stride_xm, stride_om, stride_rm,
+                      GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                      NORM_BLOCK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -305,23 +311,34 @@ def _int4_gemm_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, M, N, K,
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     n_groups = K // GROUP_SIZE
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        inv_rms = _inv_rms(x_ptr, offs_m, mask_m, stride_xm, K, eps, BLOCK_M, NORM_BLOCK)
+    # As the GEMV: a row's BLOCK_K / 2 packed bytes are contiguous (one 16-byte load), the low
+    # nibbles multiply x's even elements and the high ones its odd elements, in two dots.
+    BLOCK_KH: tl.constexpr = BLOCK_K // 2
+    offs_kh = tl.arange(0, BLOCK_KH)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides the group size, hence K: no K mask
-        k = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-        # The W^T tile [BLOCK_K, BLOCK_N]; element k is in byte k // 2 (low nibble if k is even).
-        byte = tl.load(packed_ptr + offs_n[None, :] * (K // 2) + k[:, None] // 2, mask=mask_n[None, :], other=0)
-        q = (byte.to(tl.int32) >> ((k[:, None] % 2) * 4)) & 0xF
+        kk = k0 + 2 * offs_kh
+        offs = offs_m[:, None] * stride_xm + kk[None, :]
+        xe = _x_values(x_ptr, offs, kk[None, :], mask_m[:, None], inv_rms[:, None], norm_w_ptr, K, PROLOGUE)
+        xo = _x_values(x_ptr, offs + 1, kk[None, :] + 1, mask_m[:, None], inv_rms[:, None], norm_w_ptr, K, PROLOGUE)
+        byte = tl.load(packed_ptr + offs_n[:, None] * (K // 2) + (k0 // 2 + offs_kh)[None, :], mask=mask_n[:, None],
+                       other=0)  # [BLOCK_N, BLOCK_KH]
         group = k0 // GROUP_SIZE
-        scale = tl.load(scales_ptr + offs_n * n_groups + group, mask=mask_n, other=0.0).to(tl.float32)
-        min_ = tl.load(mins_ptr + offs_n * n_groups + group, mask=mask_n, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) * scale[None, :] + min_[None, :]).to(x.dtype)
-        if x.dtype == tl.float32:  # as torch's fp32 matmul: full precision, not TF32
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+        scale = tl.load(scales_ptr + offs_n * n_groups + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        min_ = tl.load(mins_ptr + offs_n * n_groups + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        lo = tl.trans(((byte & 0xF).to(tl.float32) * scale + min_).to(xe.dtype))
+        hi = tl.trans(((byte >> 4).to(tl.float32) * scale + min_).to(xe.dtype))
+        if xe.dtype == tl.float32:  # as torch's fp32 matmul: full precision, not TF32
+            acc = tl.dot(xe, lo, acc, input_precision="ieee")
+            acc = tl.dot(xo, hi, acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w, acc)
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            acc = tl.dot(xe, lo, acc)
+            acc = tl.dot(xo, hi, acc)
+    _epilogue(acc, out_ptr, bias_ptr, res_ptr, offs_m, mask_m, offs_n, mask_n, stride_om, stride_rm, HAS_BIAS,
+              HAS_RESIDUAL)
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes step by step
@@ -375,10 +392,11 @@ def _int8_gemv_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, part_ptr, count_ptr, no
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes step by step
-def _int8_gemm_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, M, N, K,
-                      stride_xm, stride_xk, stride_om, stride_on,
-                      GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _int8_gemm_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, norm_w_ptr, bias_ptr, res_ptr, M, N, K, eps,
+                      stride_xm, stride_om, stride_rm,
+                      GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                      NORM_BLOCK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -387,12 +405,15 @@ def _int8_gemm_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, M, N, K,
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     n_groups = K // GROUP_SIZE
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        inv_rms = _inv_rms(x_ptr, offs_m, mask_m, stride_xm, K, eps, BLOCK_M, NORM_BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K  # per channel, K need not be a multiple of BLOCK_K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = _x_values(x_ptr, offs_m[:, None] * stride_xm + k[None, :], k[None, :], mask_m[:, None] & mask_k[None, :],
+                      inv_rms[:, None], norm_w_ptr, K, PROLOGUE)
         q = tl.load(q_ptr + offs_n[None, :] * K + k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
         group = k0 // GROUP_SIZE
         scale = tl.load(scales_ptr + offs_n * n_groups + group, mask=mask_n, other=0.0).to(tl.float32)
@@ -401,8 +422,8 @@ def _int8_gemm_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, M, N, K,
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _epilogue(acc, out_ptr, bias_ptr, res_ptr, offs_m, mask_m, offs_n, mask_n, stride_om, stride_rm, HAS_BIAS,
+              HAS_RESIDUAL)
 
 
 def _check_x(x: torch.Tensor, k: int, device: torch.device, norm: tuple | None = None, silu: bool = False) -> None:
@@ -484,45 +505,138 @@ def _fusion(x: torch.Tensor, k: int, n: int, norm: tuple[torch.Tensor, float] | 
 
 
 def _unfused(x: torch.Tensor, fusion: _Fusion, matmul) -> torch.Tensor:
-    """A fused call on the GEMM and dense paths (prefill: matmul-bound, where a launch more or less
-    does not matter): the prologue and the adds as separate kernels, rounded as the GEMV rounds."""
-    from llmd.kernels import norm_act_triton
+    """A fused call on the dense path (prefill of more than DENSE_MIN_M rows: matmul-bound, where a
+    launch more or less does not matter): the prologue and the adds as separate kernels, rounded
+    as the GEMV and GEMM round."""
+    from llmd.kernels.norm_act_triton import around_matmul
 
-    if fusion.prologue == PRO_RMS_NORM:
-        x = norm_act_triton.add_rms_norm(x, None, fusion.norm_weight, fusion.norm_eps)[0]
-    elif fusion.prologue == PRO_SILU_MUL:
-        x = norm_act_triton.silu_mul(x)
-    out = matmul(x)
-    if fusion.bias is not None:
-        out = out + fusion.bias
-    if fusion.residual is not None:
-        out = fusion.residual.add_(out)
-    return out
+    norm = None if fusion.prologue != PRO_RMS_NORM else (fusion.norm_weight, fusion.norm_eps)
+    return around_matmul(x, matmul, norm=norm, silu=fusion.prologue == PRO_SILU_MUL, bias=fusion.bias,
+                         residual=fusion.residual)
 
 
-def _launch_gemv(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], out: torch.Tensor, n: int, k: int,
-                 block_k: int, split: int, fusion: _Fusion, constexprs: dict) -> None:
+@dataclass(slots=True)
+class _QWeight:
+    """A checked INT4 (``tensors = (packed, scales, mins)``) or INT8 (``(qweight, scales)``) weight
+    ``[n, k]`` and its kernels' launch constants, worked out once per row-tile size."""
+
+    kind: Literal["int4", "int8"]
+    tensors: tuple[torch.Tensor, ...]
+    n: int
+    k: int
+    group_size: int
+    _gemv: dict = field(default_factory=dict)
+
+    def dequantize(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` in fp32."""
+        t = [x[start:stop] for x in self.tensors]
+        if self.kind == "int4":
+            return dequantize_int4(Int4Weight(*t, self.group_size))
+        return dequantize_int8(Int8Weight(*t, self.group_size))
+
+    def _k_tile(self, max_block_k: int) -> int:
+        """INT8: the K tile in one group (per channel: any K, masked)."""
+        return max_block_k if self.group_size == self.k else _block_k(self.group_size, max_block_k)
+
+    def gemv(self, block_m: int, device: torch.device) -> tuple[object, int, int, dict]:
+        """``(kernel, BLOCK_K, split, constexprs)`` of a GEMV launch of ``block_m``-row tiles."""
+        plan = self._gemv.get(block_m)
+        if plan is None:
+            if self.kind == "int4":
+                block_k, split = gemv_plan(self.n, self.k, device)
+                ng = max(1, block_k // self.group_size)  # groups per K tile (a tile smaller than a group lies in one)
+                plan = (_int4_gemv_kernel, block_k, split, dict(GROUP_SIZE=self.group_size, NG=ng,
+                                                                GH=block_k // ng // 2))
+            else:
+                block_k = self._k_tile(GEMV_MAX_BLOCK_K if block_m == 1 else GEMV_INT8_DOT_MAX_BLOCK_K)
+                split = _gemv_split(cdiv(self.n, GEMV_BLOCK_N), cdiv(self.k, block_k), device)
+                plan = (_int8_gemv_kernel, block_k, split, dict(GROUP_SIZE=self.group_size, BLOCK_K=block_k))
+            self._gemv[block_m] = plan
+        return plan
+
+    def gemm(self) -> tuple[object, dict]:
+        """``(kernel, constexprs)`` of a GEMM launch (BLOCK_M apart)."""
+        if self.kind == "int4":
+            return _int4_gemm_kernel, dict(GROUP_SIZE=self.group_size, BLOCK_K=_block_k(self.group_size,
+                                                                                         GEMM_MAX_BLOCK_K))
+        return _int8_gemm_kernel, dict(GROUP_SIZE=self.group_size, BLOCK_K=self._k_tile(GEMM_MAX_BLOCK_K))
+
+
+def _int4_weight(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> _QWeight:
+    if packed.ndim != 2 or packed.dtype != torch.uint8 or not packed.is_contiguous():
+        raise ValueError(f"packed must be a contiguous 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"group size {group_size} must divide the input dimension {k}")
+    _check_scales("scales", scales, (n, k // group_size), packed.device)
+    _check_scales("mins", mins, (n, k // group_size), packed.device)
+    return _QWeight("int4", (packed, scales, mins), n, k, group_size)
+
+
+def _int8_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> _QWeight:
+    if qweight.ndim != 2 or qweight.dtype != torch.int8 or not qweight.is_contiguous():
+        raise ValueError(
+            f"qweight must be a contiguous 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+    n, k = qweight.shape
+    if group_size < 1 or k % group_size:
+        raise ValueError(f"group size {group_size} must divide the input dimension {k}")
+    if group_size != k and group_size % MIN_BLOCK:
+        raise ValueError(f"int8 group size must be the input dimension {k} or a multiple of {MIN_BLOCK}, "
+                         f"got {group_size}")
+    _check_scales("scales", scales, (n, k // group_size), qweight.device)
+    return _QWeight("int8", (qweight, scales), n, k, group_size)
+
+
+def _launch_gemv(w: _QWeight, x: torch.Tensor, out: torch.Tensor, fusion: _Fusion) -> None:
     """``out = fused(x @ W^T)`` for up to GEMV_MAX_M rows in one launch (more, in launches of
-    GEMV_DOT_BLOCK_M rows: only when tests force the GEMV)."""
-    m = x.shape[0]
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    GEMV_DOT_BLOCK_M rows: only when tests force the GEMV). x's rows are contiguous."""
+    m, n = x.shape[0], w.n
     n_blocks = cdiv(n, GEMV_BLOCK_N)
     counters = arrival_counters(x.device, n_blocks)
-    k_iters = cdiv(k, block_k)
     res = fusion.residual
     for start in range(0, m, GEMV_DOT_BLOCK_M):
         rows = min(m - start, GEMV_DOT_BLOCK_M)
         block_m = 1 if rows == 1 else GEMV_DOT_BLOCK_M
+        kernel, block_k, split, constexprs = w.gemv(block_m, x.device)
         part = workspace(x.device, split * block_m * n) if split > 1 else out
         kernel[(n_blocks, split)](
-            x[start:], *weights, out[start:], part, counters,
+            x[start:], *w.tensors, out[start:], part, counters,
             x if fusion.norm_weight is None else fusion.norm_weight, x if fusion.bias is None else fusion.bias,
-            out if res is None else res[start:], rows, n, k,
-            fusion.norm_eps, x.stride(0), weights[0].stride(0), weights[1].stride(0), out.stride(0),
-            0 if res is None else res.stride(0), k_iters, split,
-            BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, PROLOGUE=fusion.prologue, HAS_BIAS=fusion.bias is not None,
-            HAS_RESIDUAL=res is not None, NORM_BLOCK=GEMV_NORM_BLOCK, **constexprs)
+            out if res is None else res[start:], rows, n, w.k, fusion.norm_eps, x.stride(0),
+            w.tensors[0].stride(0), w.tensors[1].stride(0), out.stride(0), 0 if res is None else res.stride(0),
+            cdiv(w.k, block_k), split, BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, PROLOGUE=fusion.prologue,
+            HAS_BIAS=fusion.bias is not None, HAS_RESIDUAL=res is not None, NORM_BLOCK=GEMV_NORM_BLOCK, **constexprs)
+
+
+def _launch_gemm(w: _QWeight, x: torch.Tensor, out: torch.Tensor, fusion: _Fusion) -> None:
+    m = x.shape[0]
+    kernel, constexprs = w.gemm()
+    block_m = _gemm_block_m(m)
+    res = fusion.residual
+    kernel[(cdiv(m, block_m), cdiv(w.n, GEMM_BLOCK_N))](
+        x, *w.tensors, out, x if fusion.norm_weight is None else fusion.norm_weight,
+        x if fusion.bias is None else fusion.bias, out if res is None else res, m, w.n, w.k, fusion.norm_eps,
+        x.stride(0), out.stride(0), 0 if res is None else res.stride(0), BLOCK_M=block_m, BLOCK_N=GEMM_BLOCK_N,
+        PROLOGUE=fusion.prologue, HAS_BIAS=fusion.bias is not None, HAS_RESIDUAL=res is not None,
+        NORM_BLOCK=GEMV_NORM_BLOCK, num_warps=GEMM_NUM_WARPS, **constexprs)
+
+
+def _run(w: _QWeight, x: torch.Tensor, path: KernelPath, fusion: _Fusion) -> torch.Tensor:
+    """The checked matmul on ``path``."""
+    m = x.shape[0]
+    if path == "dense" and m:
+        if fusion is not _NO_FUSION:
+            return _unfused(x, fusion, lambda h: _run(w, h, "dense", _NO_FUSION))
+        return _dense_matmul(x, w.n, w.dequantize)
+    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device) if fusion.residual is None else fusion.residual
+    if m == 0 or w.n == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    (_launch_gemv if path == "gemv" else _launch_gemm)(w, x, out, fusion)
+    return out
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -533,7 +647,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     ``W = q * scales + mins`` held as ``packed`` uint8 ``[N, K/2]`` (element ``2i`` in the low
     nibble of byte ``i``), ``scales`` and ``mins`` ``[N, K/group_size]`` (fp32, fp16 or bf16).
 
-    Fused around it (in the GEMV's one launch; as separate kernels on the other paths), in x's dtype:
+    Fused around it (in the GEMV's and the GEMM's one launch; as separate kernels on the dense
+    path), in x's dtype:
 
     * ``norm=(weight [K], eps)``: x is first replaced by ``weight * rms_norm(x)``;
     * ``silu=True``: x is ``[M, 2K]``, gate then up, first replaced by ``SiLU(gate) * up``;
@@ -544,40 +659,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     ``path`` forces the GEMV, the GEMM or the dense path (tests run each at every M); by default
     :func:`_path_for` picks by M.
     """
-    if packed.ndim != 2 or packed.dtype != torch.uint8 or not packed.is_contiguous():
-        raise ValueError(f"packed must be a contiguous 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
-    n, k = packed.shape[0], packed.shape[1] * 2
-    if group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
-    if k % group_size:
-        raise ValueError(f"group size {group_size} must divide the input dimension {k}")
-    _check_x(x, k, packed.device, norm, silu)
-    _check_scales("scales", scales, (n, k // group_size), packed.device)
-    _check_scales("mins", mins, (n, k // group_size), packed.device)
-    path = _check_path(path, x.shape[0])
-    fusion = _fusion(x, k, n, norm, silu, bias, residual)
-    if path != "gemv" and fusion is not _NO_FUSION:
-        return _unfused(x, fusion, lambda x: int4_matmul(x, packed, scales, mins, group_size, path=path))
-
-    m = x.shape[0]
-    if path == "dense" and m:
-        return _dense_matmul(x, n, lambda a, b: dequantize_int4(
-            Int4Weight(packed[a:b], scales[a:b], mins[a:b], group_size)))
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if residual is None else residual
-    if m == 0 or n == 0:
-        return out
-    if path == "gemv":
-        block_k, split = gemv_plan(n, k, x.device)
-        ng = max(1, block_k // group_size)  # groups per K tile (a tile smaller than a group lies in one)
-        _launch_gemv(_int4_gemv_kernel, x, (packed, scales, mins), out, n, k, block_k, split, fusion,
-                     dict(GROUP_SIZE=group_size, NG=ng, GH=block_k // ng // 2))
-    else:
-        block_m = _gemm_block_m(m)
-        grid = (cdiv(m, block_m), cdiv(n, GEMM_BLOCK_N))
-        _int4_gemm_kernel[grid](x, packed, scales, mins, out, m, n, k, x.stride(0), x.stride(1),
-                                out.stride(0), out.stride(1), GROUP_SIZE=group_size, BLOCK_M=block_m,
-                                BLOCK_N=GEMM_BLOCK_N, BLOCK_K=_block_k(group_size, GEMM_MAX_BLOCK_K))
-    return out
+    w = _int4_weight(packed, scales, mins, group_size)
+    _check_x(x, w.k, packed.device, norm, silu)
+    return _run(w, x, _check_path(path, x.shape[0]), _fusion(x, w.k, w.n, norm, silu, bias, residual))
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, *,
@@ -591,44 +675,85 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gr
 
     ``path`` forces the GEMV, the GEMM or the dense path; by default :func:`_path_for` picks by M.
     """
-    if qweight.ndim != 2 or qweight.dtype != torch.int8 or not qweight.is_contiguous():
-        raise ValueError(
-            f"qweight must be a contiguous 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
-    n, k = qweight.shape
-    if group_size < 1 or k % group_size:
-        raise ValueError(f"group size {group_size} must divide the input dimension {k}")
-    _check_x(x, k, qweight.device, norm, silu)
-    _check_scales("scales", scales, (n, k // group_size), qweight.device)
-    path = _check_path(path, x.shape[0])
-    if path == "gemv":
-        max_block_k = GEMV_MAX_BLOCK_K if x.shape[0] == 1 else GEMV_INT8_DOT_MAX_BLOCK_K
-    else:
-        max_block_k = GEMM_MAX_BLOCK_K
-    if group_size == k:  # per channel: any K, tiles in the one group, K masked
-        block_k = max_block_k
-    elif group_size % MIN_BLOCK == 0:
-        block_k = _block_k(group_size, max_block_k)
-    else:
-        raise ValueError(f"int8 group size must be the input dimension {k} or a multiple of {MIN_BLOCK}, "
-                         f"got {group_size}")
-    fusion = _fusion(x, k, n, norm, silu, bias, residual)
-    if path != "gemv" and fusion is not _NO_FUSION:
-        return _unfused(x, fusion, lambda x: int8_matmul(x, qweight, scales, group_size, path=path))
+    w = _int8_weight(qweight, scales, group_size)
+    _check_x(x, w.k, qweight.device, norm, silu)
+    return _run(w, x, _check_path(path, x.shape[0]), _fusion(x, w.k, w.n, norm, silu, bias, residual))
 
-    m = x.shape[0]
-    if path == "dense" and m:
-        return _dense_matmul(x, n, lambda a, b: dequantize_int8(Int8Weight(qweight[a:b], scales[a:b], group_size)))
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if residual is None else residual
-    if m == 0 or n == 0:
+
+class FusedMatmul:
+    """One projection's matmul with its fusions fixed, for a decode step's ~120 calls: the weight
+    and the fused operands are checked once, here, and a call of 1..GEMV_MAX_M contiguous rows goes
+    straight to its one GEMV launch, its arguments worked out at the first call of its tile size
+    (:func:`int4_matmul`'s checks and set-up cost more host time than the launch: measured ~12 us
+    a call against ~4 here). Other calls take the path :func:`int4_matmul` would.
+
+    ``fused(x)`` returns ``x @ W^T`` with the fusions; with ``add_residual`` it is
+    ``fused(x, residual)``, which adds into ``residual`` in place and returns it.
+    """
+
+    def __init__(self, weight: _QWeight, dtype: torch.dtype, *, norm: tuple[torch.Tensor, float] | None = None,
+                 silu: bool = False, bias: torch.Tensor | None = None, add_residual: bool = False) -> None:
+        device = weight.tensors[0].device
+        self._width = 2 * weight.k if silu else weight.k
+        probe = torch.empty((1, self._width), dtype=dtype, device=device)
+        _check_x(probe, weight.k, device, norm, silu)
+        self._fused = _fusion(probe, weight.k, weight.n, norm, silu, bias, None)  # checks the norm weight, bias
+        if self._fused is _NO_FUSION:
+            self._fused = _Fusion()
+        self.weight, self.dtype, self.add_residual, self.device = weight, dtype, add_residual, device
+        self._norm, self._silu, self._bias = norm, silu, bias
+        self._plans: dict[int, tuple] = {}
+
+    def _plan(self, block_m: int) -> tuple:
+        """What a launch of ``block_m``-row tiles passes besides x, out and the residual."""
+        w, f = self.weight, self._fused
+        kernel, block_k, split, constexprs = w.gemv(block_m, self.device)
+        n_blocks = cdiv(w.n, GEMV_BLOCK_N)
+        # Scratch taken now and held: a buffer grown out of later stays valid (kernels/launch.py).
+        part = workspace(self.device, split * block_m * w.n) if split > 1 else None
+        counters = arrival_counters(self.device, n_blocks)
+        kwargs = dict(constexprs, BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, PROLOGUE=f.prologue,
+                      HAS_BIAS=f.bias is not None, HAS_RESIDUAL=self.add_residual, NORM_BLOCK=GEMV_NORM_BLOCK)
+        plan = (kernel[(n_blocks, split)], part, counters, f.norm_weight, f.bias, w.n, w.k, f.norm_eps,
+                w.tensors[0].stride(0), w.tensors[1].stride(0), cdiv(w.k, block_k), split, kwargs)
+        self._plans[block_m] = plan
+        return plan
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: a contiguous ``[M, N]`` tensor to write the result into (without a residual),
+        instead of a new one (the decode step's buffers)."""
+        if (residual is not None) != self.add_residual:
+            raise ValueError("a residual is " + ("required" if self.add_residual else "not taken") + " here")
+        w, shape = self.weight, x.shape
+        m = shape[0] if len(shape) == 2 else 0
+        if residual is not None:
+            out = residual
+        # (dtypes are singletons: `is` is their equality)
+        if not (0 < m <= GEMV_MAX_M and x.dtype is self.dtype and shape[1] == self._width and x.is_contiguous()
+                and (out is None or (out.shape[0] == m and out.shape[1] == w.n and out.dtype is self.dtype
+                                     and out.is_contiguous()))):
+            _check_x(x, w.k, self.device, self._norm, self._silu)
+            result = _run(w, x, _path_for(m), _fusion(x, w.k, w.n, self._norm, self._silu, self._bias, residual))
+            return result if out is None or result is out else out.copy_(result)
+        block_m = 1 if m == 1 else GEMV_DOT_BLOCK_M
+        launch, part, counters, norm_w, bias, n, k, eps, sw, ss, k_iters, split, kwargs = \
+            self._plans.get(block_m) or self._plan(block_m)
+        if out is None:
+            out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        launch(x, *w.tensors, out, out if part is None else part, counters, x if norm_w is None else norm_w,
+               x if bias is None else bias, out, m, n, k, eps, x.stride(0), sw, ss, n, n, k_iters, split, **kwargs)
         return out
-    if path == "gemv":
-        split = _gemv_split(cdiv(n, GEMV_BLOCK_N), cdiv(k, block_k), x.device)
-        _launch_gemv(_int8_gemv_kernel, x, (qweight, scales), out, n, k, block_k, split, fusion,
-                     dict(GROUP_SIZE=group_size, BLOCK_K=block_k))
-    else:
-        block_m = _gemm_block_m(m)
-        grid = (cdiv(m, block_m), cdiv(n, GEMM_BLOCK_N))
-        _int8_gemm_kernel[grid](x, qweight, scales, out, m, n, k, x.stride(0), x.stride(1),
-                                out.stride(0), out.stride(1), GROUP_SIZE=group_size, BLOCK_M=block_m,
-                                BLOCK_N=GEMM_BLOCK_N, BLOCK_K=block_k)
-    return out
+
+
+def fused_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+               dtype: torch.dtype, **fusions) -> FusedMatmul:
+    """:class:`FusedMatmul` of an INT4 weight (the arguments of :func:`int4_matmul`) for activations
+    of ``dtype``; ``fusions``: ``norm``, ``silu``, ``bias``, ``add_residual``."""
+    return FusedMatmul(_int4_weight(packed, scales, mins, group_size), dtype, **fusions)
+
+
+def fused_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype,
+               **fusions) -> FusedMatmul:
+    """:class:`FusedMatmul` of an INT8 weight (see :func:`fused_int4`)."""
+    return FusedMatmul(_int8_weight(qweight, scales, group_size), dtype, **fusions)

@@ -199,10 +199,16 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.parametrize("variant", ["plain", "qk_norm+window"])
 def test_decode_from_the_qkv_projection(num_kv_heads: int, group: int, head_dim: int, block_size: int,
                                         dtype: torch.dtype, variant: str) -> None:
+    check_decode_from_qkv(num_kv_heads, group, head_dim, block_size, dtype, variant, torch.device("cpu"),
+                          TOLERANCE[dtype])
+
+
+def check_decode_from_qkv(num_kv_heads: int, group: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                          variant: str, device: torch.device, tolerance: float) -> None:
     """The fused decode attention (RoPE, q/k norm, KV write, attention over context + new token)
-    against the reference chain: RoPE in fp32, the new K/V written, then paged attention. A padding
-    row (slot -1, a context of 1) writes nothing; every split count; the cache outside the new
-    tokens' slots is untouched, bit for bit."""
+    on ``device`` against the reference chain on the CPU: RoPE in fp32, the new K/V written, then
+    paged attention. A padding row (slot -1, a context of 1) writes nothing; every split count;
+    the cache outside the new tokens' slots is untouched, bit for bit (also tests/test_gpu.py)."""
     g = torch.Generator().manual_seed(head_dim + group)
     seq_lens = [*SEQ_LENS, 1]
     batch = paged_batch([1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=10)
@@ -226,20 +232,40 @@ def test_decode_from_the_qkv_projection(num_kv_heads: int, group: int, head_dim:
                                    head_dim ** -0.5, window)
     written = torch.zeros(want_k.shape[:2], dtype=torch.bool)
     written.view(-1)[slots[keep]] = True
+    dev = lambda t: None if t is None else t.to(device)
     for splits in (None, 1, 3, 8):
-        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-        out = at.decode_attention_new_token(qkv, k_cache, v_cache, batch.block_tables, batch.seq_lens_t, positions,
-                                            slots, inv_freq, max(seq_lens), head_dim ** -0.5, window, *norms, eps,
-                                            num_splits=splits)
+        k_cache, v_cache = batch.k_cache.clone().to(device), batch.v_cache.clone().to(device)
+        out = at.decode_attention_new_token(
+            qkv.to(device), k_cache, v_cache, batch.block_tables.to(device), batch.seq_lens_t.to(device),
+            positions.to(device), slots.to(device), inv_freq.to(device), max(seq_lens), head_dim ** -0.5, window,
+            dev(norms[0]), dev(norms[1]), eps, num_splits=splits)
+        out, k_cache, v_cache = out.cpu(), k_cache.cpu(), v_cache.cpu()
         assert out.dtype == dtype and out.shape == (len(seq_lens), heads, head_dim)
         # the rotated K rounds to the dtype (fp16: 2^-11 of |k| ~ 3, the norm's weight included)
-        assert max_err(out[keep], expected[keep]) < 2 * TOLERANCE[dtype], f"num_splits={splits}"
+        assert max_err(out[keep], expected[keep]) < 2 * tolerance, f"num_splits={splits}"
         assert out[~keep].isfinite().all()  # the padding row: its own token (not in the cache) only
-        assert max_err(k_cache[written], want_k[written]) < TOLERANCE[dtype] * 4
+        assert max_err(k_cache[written], want_k[written]) < tolerance * 4
         assert torch.equal(v_cache[written], want_v[written].to(dtype))
         assert torch.equal(k_cache[~written], batch.k_cache[~written])
         assert torch.equal(v_cache[~written], batch.v_cache[~written])
-    assert int(at.arrival_counters(qkv.device, 1).abs().sum()) == 0, "every counter reset for the next launch"
+    assert int(at.arrival_counters(device, 1).abs().sum()) == 0, "every counter reset for the next launch"
+
+
+def test_the_bound_decode_checks_every_new_cache() -> None:
+    """NewTokenDecode (the decode step's attention) checks a KV cache the first time it sees it,
+    not at every call; a different cache is checked again, and ``out`` is written when given."""
+    batch = paged_batch([1, 1], [5, 9], 2, 2, 64, 16, torch.float32, seed=11)
+    attention = at.NewTokenDecode(4, 2, 64, torch.ones(32), 0.125)
+    qkv = torch.randn(2, 8 * 64)
+    args = (batch.block_tables, batch.seq_lens_t, torch.tensor([4, 8]), torch.tensor([-1, -1]), 9)
+    out = torch.empty(2, 4, 64)
+    assert attention(qkv, batch.k_cache, batch.v_cache, *args, out) is out and out.isfinite().all()
+    with pytest.raises(ValueError, match="must hold 2 heads of 64 in torch.float32"):
+        attention(qkv, batch.k_cache[..., :32].contiguous(), batch.v_cache[..., :32].contiguous(), *args)
+    with pytest.raises(ValueError, match="out must be"):
+        attention(qkv, batch.k_cache, batch.v_cache, *args, torch.empty(2, 4, 32))
+    with pytest.raises(ValueError, match="q_norm and k_norm come together"):
+        at.NewTokenDecode(4, 2, 64, torch.ones(32), 0.125, q_norm=torch.ones(64))
 
 
 def test_unsupported_shapes() -> None:
@@ -288,7 +314,7 @@ def test_invalid_inputs_raise() -> None:
     bad = [
         (dict(qkv=torch.randn(2, 4 * 64)), "qkv must be"),  # no room for k and v
         (dict(qkv=torch.randn(2, 7 * 64)), "qkv must be"),  # 3 query heads on 2 KV heads
-        (dict(qkv=qkv.T.contiguous().T), "contiguous along a row"),
+        (dict(qkv=qkv.T.contiguous().T), "contiguous"),
         (dict(positions=torch.tensor([4])), "positions must be"),
         (dict(slot_mapping=torch.tensor([3.0, 4.0])), "slot_mapping must be"),
         (dict(inv_freq=torch.ones(64)), "inv_freq must be"),
@@ -337,10 +363,9 @@ for arch in ARCHS:
                                             dict(NUM_KV_HEADS=3, HEAD_DIM=80, BLOCK_H=4, BLOCK_D=128), arch,
                                             aligned(sig)))]
         for new_kv, sliding in ((False, False), (True, True)):  # the split count is a runtime argument
-            sig = dict(common, **cache, k_new_ptr=f"*{dt}", v_new_ptr=f"*{dt}", pos_ptr="*i64", slot_ptr="*i64",
-                       inv_freq_ptr="*fp32", q_norm_ptr=f"*{dt}", k_norm_ptr=f"*{dt}", part_ptr="*fp32",
-                       lse_ptr="*fp32", count_ptr="*i32", eps="fp32", num_splits="i32", stride_kt="i32",
-                       stride_kh="i32", stride_vt="i32", stride_vh="i32")
+            sig = dict(common, **cache, pos_ptr="*i64", slot_ptr="*i64", inv_freq_ptr="*fp32", q_norm_ptr=f"*{dt}",
+                       k_norm_ptr=f"*{dt}", part_ptr="*fp32", lse_ptr="*fp32", count_ptr="*i32", eps="fp32",
+                       num_splits="i32")
             kernels.append((f"decode new_kv={new_kv} window={sliding}", compile_for(
                 at._decode_kernel, sig, dict(GROUP=8, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv,
                                              QK_NORM=new_kv, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n),

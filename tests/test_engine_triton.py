@@ -54,27 +54,53 @@ def make_requests(seed: int) -> list[tuple[int, str, list[int], SamplingParams]]
     return reqs
 
 
-@pytest.mark.parametrize("model", ["qwen2", "mistral", "smollm2"])  # GQA 2 + qkv bias; sliding window 16; GQA 3
-def test_triton_backend_matches_torch_backend(tmp_path: Path, model: str) -> None:
+class CountedStep:
+    """A fused decode step that counts its calls."""
+
+    def __init__(self, step) -> None:
+        self.step, self.calls = step, 0
+        self.takes_mixed_steps = step.takes_mixed_steps
+        self.bind_cache, self.bound_to = step.bind_cache, step.bound_to
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.step(*args)
+
+
+# GQA 2 + qkv bias; sliding window 16; GQA 3. Decode steps "layers": the backend's decode kernel
+# (prompt chunks always go through its extend kernel); "fused": llmd.kernels.decode_triton's step
+# (RoPE, the KV write and attention in one launch, the norms and adds in the matmuls'), as on a GPU.
+@pytest.mark.parametrize(("model", "decode"), [("qwen2", "layers"), ("mistral", "fused"), ("smollm2", "layers")])
+def test_triton_backend_matches_torch_backend(tmp_path: Path, model: str, decode: str) -> None:
+    from llmd.kernels.decode_triton import DecodeStep
+
     model_dir = save_hf_model(make_hf_model(model), tmp_path / model, with_tokenizer=True)
     requests = make_requests(seed=len(model))
     config = dict(num_blocks=96, block_size=16, max_num_batched_tokens=24)  # 24: prompts arrive in chunks
     expected = run_engine(make_engine(model_dir, attention=TorchAttentionBackend(), **config), requests)
     backend = RecordingTritonBackend()
     engine = make_engine(model_dir, attention=backend, **config)
+    assert isinstance(engine.model.decode_step, DecodeStep)  # dense projections take the fused step too
+    step = engine.model.decode_step = CountedStep(engine.model.decode_step) if decode == "fused" else None
     assert run_engine(engine, requests) == expected
     assert engine.stats().prefix_cache_hit_rate > 0
     assert backend.extend_steps > 0 and backend.chunks_after_cached_tokens > 0
-    assert backend.decode_steps > 0 and backend.split_decode_steps > 0
+    if decode == "fused":
+        assert step.calls > 0 and backend.decode_steps == 0
+    else:
+        assert backend.decode_steps > 0 and backend.split_decode_steps > 0
 
 
 def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     """Everything a GPU runs, under the interpreter: Triton attention, the fused norm/RoPE/SiLU
-    kernels and the Triton INT4 matmuls (GEMV with split-K for decode rows, GEMM for prompt chunks)
+    kernels and the Triton INT4 matmuls (GEMV with split-K for decode rows, GEMM for prompt chunks),
+    decode steps through the fused step (the norms, adds, RoPE and KV write in the matmuls' and the
+    attention's launches)
     give the tokens of the torch reference on the same INT4 weights (dequantise + matmul, torch
     attention and layer ops). fp32: the interpreter cannot run bf16 tl.dot (test_quant_triton.py).
     qwen2: GQA, qkv bias, tied head; 4 requests, two sharing a prefix (the interpreter is slow)."""
     from llmd.daemon.models.layer_ops import TorchLayerOps, TritonLayerOps
+    from llmd.kernels.decode_triton import DecodeStep
     from llmd.quant.apply import QuantConfig
 
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
@@ -95,6 +121,7 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     gpu.model.use_triton_kernels()
     assert isinstance(gpu.model.layer_ops, TritonLayerOps) and isinstance(reference.model.layer_ops, TorchLayerOps)
     assert {m.cpu_path for m in gpu.model.modules() if hasattr(m, "cpu_path")} == {"triton"}
+    assert isinstance(gpu.model.decode_step, DecodeStep)  # decode steps: llmd.kernels.decode_triton's
     assert run_engine(gpu, requests) == expected
 
 

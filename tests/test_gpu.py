@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention_triton import CASES, SEQ_LENS, PagedBatch, max_err, paged_batch, reference
+from test_attention_triton import CASES, SEQ_LENS, PagedBatch, check_decode_from_qkv, max_err, paged_batch, reference
 from test_norm_act_triton import ulps
-from test_quant_triton import rel_err, weight
+from test_quant_triton import CANARY, rel_err, weight
 
 from llmd.daemon.config import RopeConfig
 from llmd.daemon.models.layers import RMSNorm, RotaryEmbedding, rope_torch
@@ -70,6 +70,16 @@ def test_attention_on_the_device(case: int, dtype: torch.dtype) -> None:
     assert max_err(out.cpu(), reference(extend)) < ATTN_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [0, 3, 5])
+def test_decode_from_the_qkv_projection_on_the_device(case: int, dtype: torch.dtype) -> None:
+    """The decode step's attention (RoPE, q/k norm, KV write, split-K combined by the last program
+    to arrive) on the device: the combine's ordering through L2 is only real on a GPU."""
+    num_kv_heads, group, head_dim, block_size, _ = CASES[case]
+    for variant in ("plain", "qk_norm+window"):
+        check_decode_from_qkv(num_kv_heads, group, head_dim, block_size, dtype, variant, DEVICE, ATTN_TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="float16"), BF16])  # bf16: the interpreter
 def test_write_kv_on_the_device(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(6)
@@ -95,6 +105,29 @@ def test_quant_matmuls_on_the_device(m: int, dtype: torch.dtype) -> None:
     q8 = quantize_int8(weight(200, 576, 576, g))
     out = qmt.int8_matmul(x.to(DEVICE), q8.qweight.to(DEVICE), q8.scales.to(DEVICE), q8.group_size)
     assert rel_err(out.cpu(), x.float() @ dequantize_int8(q8).T) < MATMUL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 16, 64])  # one-row GEMV, tensor-core GEMV, its last row count, GEMM
+def test_fused_matmuls_on_the_device(m: int, dtype: torch.dtype) -> None:
+    """The decode step's projections: the norm before qkv and gate/up, SiLU x up before down with
+    the residual add after it, against the torch layers on the CPU."""
+    g = torch.Generator().manual_seed(m + 1)
+    q4 = quantize_int4(weight(576, 1536, 32, g), 32)  # the default model's down projection
+    w_ref = dequantize_int4(q4).to(dtype).float()
+    dev = [t.to(DEVICE) for t in (q4.packed, q4.scales, q4.mins)]
+    norm_w, x = torch.randn(1536, generator=g).to(dtype), (torch.randn(m, 1536, generator=g) * 3).to(dtype)
+    qkv_like = qmt.fused_int4(*dev, 32, dtype, norm=(norm_w.to(DEVICE), 1e-5))
+    normed = RMSNorm(1536, 1e-5, dtype)
+    normed.weight.copy_(norm_w)
+    want = normed(x).float() @ w_ref.T
+    assert rel_err(qkv_like(x.to(DEVICE)).cpu(), want) < 2 * MATMUL_TOL[dtype]
+    down_like = qmt.fused_int4(*dev, 32, dtype, silu=True, add_residual=True)
+    gate_up, residual = (torch.randn(m, 3072, generator=g) * 3).to(dtype), (torch.randn(m, 576, generator=g) * 300)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = residual.to(dtype).float() + (F.silu(gate) * up).float() @ w_ref.T
+    got = down_like(gate_up.to(DEVICE), residual.to(dtype).clone().to(DEVICE)).cpu()  # (added into in place)
+    assert rel_err(got, want) < 2 * MATMUL_TOL[dtype] and rel_err(got, residual) > CANARY
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,6 +170,8 @@ def test_the_default_model_on_the_gpu(cuda_graphs: bool) -> None:
     top2 = Generator(llm.engine.model).logits(prompt)[-1].topk(2)
     assert llm.tokenizer.decode([int(top2.indices[0])]) == " Paris"
     assert float(top2.values[0] - top2.values[1]) > 4
+    # decode steps through the fused step (llmd.kernels.decode_triton): greedy answers the canary
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0].text.startswith(" Paris")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([f"Count from {i}:" for i in range(6)], params)
     assert all(len(o.token_ids) == 24 for o in outs)

@@ -96,7 +96,7 @@ def test_int8_matmul_matches_reference(path: str, m: int, n: int, k: int, group_
 def test_bf16_activations_gemv() -> None:
     # The GEMVs' paths without tl.dot only (one row): the interpreter multiplies the raw bits of bf16
     # tl.dot operands (triton-lang/triton issue 11584, "not supported yet"), so the GEMMs' and the
-    # GEMVs' 2..8-row bf16 paths can only be checked on a GPU (their fp16 and fp32 twins run here).
+    # GEMVs' 2..16-row bf16 paths can only be checked on a GPU (their fp16 and fp32 twins run here).
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 128, generator=g).bfloat16()
     q4 = quantize_int4(weight(40, 128, 64, g), 64)
@@ -247,6 +247,47 @@ def test_fused_arguments_are_checked() -> None:
             run(x, **kwargs)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_fused_matmul_binds_what_int4_matmul_does(fmt: str) -> None:
+    """FusedMatmul (the decode step's projections, checked once): at every row count the result of
+    int4_matmul/int8_matmul with the same fusions, bit for bit (the same kernel runs: the GEMV up
+    to 16 rows, the GEMM beyond), written into ``out`` when given."""
+    g = torch.Generator().manual_seed(21)
+    n, k = 72, 128
+    if fmt == "int4":
+        qw = quantize_int4(weight(n, k, 32, g), 32)
+        tensors = (qw.packed, qw.scales, qw.mins, 32)
+        bind, matmul = qmt.fused_int4, qmt.int4_matmul
+    else:
+        qw = quantize_int8(weight(n, k, 32, g), 32)
+        tensors = (qw.qweight, qw.scales, 32)
+        bind, matmul = qmt.fused_int8, qmt.int8_matmul
+    norm = (torch.randn(k, generator=g), 1e-6)
+    bias = torch.randn(n, generator=g)
+    qkv_like = bind(*tensors, torch.float32, norm=norm, bias=bias)
+    down_like = bind(*tensors, torch.float32, silu=True, add_residual=True)
+    for m in (1, 5, 16, 17):
+        x = torch.randn(m, k, generator=g)
+        want = matmul(x, *tensors, norm=norm, bias=bias)
+        assert torch.equal(qkv_like(x), want)
+        out = torch.empty(m, n)
+        assert qkv_like(x, out=out) is out and torch.equal(out, want)
+        gate_up = torch.randn(m, 2 * k, generator=g)
+        residual = torch.randn(m, n, generator=g)
+        want = matmul(gate_up, *tensors, silu=True, residual=residual.clone())
+        got = residual.clone()
+        assert down_like(gate_up, got) is got and torch.equal(got, want)
+        assert rel_err(got, residual) > CANARY  # the product was added
+    with pytest.raises(ValueError, match="residual is required"):
+        down_like(torch.randn(1, 2 * k))
+    with pytest.raises(ValueError, match="residual is not taken"):
+        qkv_like(torch.randn(1, k), torch.randn(1, n))
+    with pytest.raises(ValueError, match="input features"):
+        qkv_like(torch.randn(1, k + 2))
+    with pytest.raises(ValueError, match="norm weight must be"):
+        bind(*tensors, torch.float16, norm=norm)  # an fp32 norm weight for fp16 activations
+
+
 def test_int4_gemv_split_k_is_deterministic_and_resets_its_counters() -> None:
     """Split-K: the last program of a column block to arrive adds the splits in order, so two
     launches agree bit for bit, and it zeroes the block's arrival counter for the next launch (a
@@ -303,9 +344,9 @@ def test_int4_gemv_and_gemm_round_alike() -> None:
 # Every kernel compiled for every GPU generation (see gpu_compile.py) with the alignment the runtime
 # sees; 16-bit activations: fp16 everywhere, bf16 from sm_80 (Turing has no bf16 tensor cores and
 # runs fp16, llmd.daemon.device); fp32 once (the IEEE tl.dot branches). Both GEMV variants (one row;
-# 2..8 rows on tensor cores) with split-K and the decode step's fusions (the norm prologue of qkv and
-# gate/up; SiLU x up before down with the residual add after it; bias), for the default model's
-# group size (32) and 128.
+# 2..16 rows on tensor cores) with split-K, and the GEMMs at their largest tile, with the decode
+# step's fusions (the norm prologue of qkv and gate/up; SiLU x up before down with the residual add
+# after it; bias), for the default model's group size (32) and 128.
 COMPILE_FOR_GPU = """
 import llmd.kernels.quant_matmul_triton as q
 
@@ -318,10 +359,10 @@ gemv = {"scales_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i
         "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32",
         "stride_rm": "i32", "K_ITERS": "i32", "SPLIT": "i32"}
 gemv4, gemv8 = dict(gemv, packed_ptr="*u8", mins_ptr="*fp16"), dict(gemv, q_ptr="*i8")
-common = {"scales_ptr": "*fp16", "N": "i32", "K": "i32",
-          "stride_xm": "i32", "stride_xk": "i32", "stride_om": "i32", "stride_on": "i32"}
+common = {"scales_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "eps": "fp32", "stride_xm": "i32",
+          "stride_om": "i32", "stride_rm": "i32"}
 int4, int8 = dict(common, packed_ptr="*u8", mins_ptr="*fp16"), dict(common, q_ptr="*i8")
-gemm = dict(BLOCK_M=16, BLOCK_N=q.GEMM_BLOCK_N, BLOCK_K=q.GEMM_MAX_BLOCK_K)
+gemm = dict(BLOCK_M=q.GEMM_MAX_BLOCK_M, BLOCK_N=q.GEMM_BLOCK_N, BLOCK_K=q.GEMM_MAX_BLOCK_K)
 NORM = dict(PROLOGUE=q.PRO_RMS_NORM, HAS_BIAS=False, HAS_RESIDUAL=False, NORM_BLOCK=q.GEMV_NORM_BLOCK)
 SILU_RES = dict(PROLOGUE=q.PRO_SILU_MUL, HAS_BIAS=False, HAS_RESIDUAL=True, NORM_BLOCK=q.GEMV_NORM_BLOCK)
 BIAS_RES = dict(PROLOGUE=q.PRO_NONE, HAS_BIAS=True, HAS_RESIDUAL=True, NORM_BLOCK=q.GEMV_NORM_BLOCK)
@@ -330,32 +371,32 @@ kernels = [("int4 gemv 1 row g32 norm", q._int4_gemv_kernel, gemv4,
             dict(NORM, GROUP_SIZE=32, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
            ("int4 gemv 1 row g128 silu+residual", q._int4_gemv_kernel, gemv4,
             dict(SILU_RES, GROUP_SIZE=128, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, NG=1, GH=64)),
-           ("int4 gemv 2-8 rows g32 norm", q._int4_gemv_kernel, gemv4,
+           ("int4 gemv 2-16 rows g32 norm", q._int4_gemv_kernel, gemv4,
             dict(NORM, GROUP_SIZE=32, BLOCK_M=ROWS, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
-           ("int4 gemv 2-8 rows g32 silu+residual", q._int4_gemv_kernel, gemv4,
+           ("int4 gemv 2-16 rows g32 silu+residual", q._int4_gemv_kernel, gemv4,
             dict(SILU_RES, GROUP_SIZE=32, BLOCK_M=ROWS, BLOCK_N=q.GEMV_BLOCK_N, NG=2, GH=16)),
            ("int8 gemv 1 row norm", q._int8_gemv_kernel, gemv8,
             dict(NORM, GROUP_SIZE=4096, BLOCK_M=1, BLOCK_N=q.GEMV_BLOCK_N, BLOCK_K=q.GEMV_MAX_BLOCK_K)),
-           ("int8 gemv 2-8 rows bias+residual", q._int8_gemv_kernel, gemv8,
+           ("int8 gemv 2-16 rows bias+residual", q._int8_gemv_kernel, gemv8,
             dict(BIAS_RES, GROUP_SIZE=4096, BLOCK_M=ROWS, BLOCK_N=q.GEMV_BLOCK_N,
                  BLOCK_K=q.GEMV_INT8_DOT_MAX_BLOCK_K)),
-           ("int4 gemm", q._int4_gemm_kernel, dict(int4, M="i32"), dict(gemm, GROUP_SIZE=64)),
-           ("int8 gemm", q._int8_gemm_kernel, dict(int8, M="i32"), dict(gemm, GROUP_SIZE=64))]
+           ("int4 gemm norm", q._int4_gemm_kernel, int4, dict(gemm, **NORM, GROUP_SIZE=64)),
+           ("int8 gemm silu+residual", q._int8_gemm_kernel, int8, dict(gemm, **SILU_RES, GROUP_SIZE=64))]
 reports = []
 for arch in ARCHS:
     for x in ["fp16"] + (["bf16"] if arch >= 80 else []) + (["fp32"] if arch == 80 else []):
         for label, fn, signature, constexprs in kernels:
             sig = dict(signature, x_ptr=f"*{x}", out_ptr=f"*{x}")
-            if "gemv" in label:
-                sig.update(norm_w_ptr=f"*{x}", bias_ptr=f"*{x}", res_ptr=f"*{x}")
-            r = ptxas_report(compile_for(fn, sig, constexprs, arch, aligned(sig)))
+            sig.update(norm_w_ptr=f"*{x}", bias_ptr=f"*{x}", res_ptr=f"*{x}")
+            warps = q.GEMM_NUM_WARPS if "gemm" in label else 4
+            r = ptxas_report(compile_for(fn, sig, constexprs, arch, aligned(sig), num_warps=warps))
             print(label, x, r)
             reports.append((label, x, r))
 for label, x, r in reports:
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (label, x, r)
     assert r["shared"] <= 99 * 1024, (label, x, r)
-    if "gemv" in label:  # the packed bytes in 16-byte loads, never one by one
-        assert r["vector_loads"] and not r["byte_loads"], (label, x, r)
+    # the weights' bytes in vector loads (16 bytes per row of an INT4 tile), never one by one
+    assert r["vector_loads"] and not r["byte_loads"], (label, x, r)
 """
 
 

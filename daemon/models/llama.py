@@ -17,6 +17,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,20 @@ from llmd.quant.int8 import Int8Weight, dequantize_int8
 log = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class FusedDecodeStep(Protocol):
+    """A whole pure decode step in a few calls (llmd.kernels.decode_cpu's native step,
+    llmd.kernels.decode_triton's fused one): from the new tokens' embeddings to the final norm."""
+
+    takes_mixed_steps: bool  # also runs the decode rows of a step that has prompt chunks
+
+    def bind_cache(self, kv_caches: list[KVCache]) -> None: ...
+
+    def bound_to(self, kv_caches: list[KVCache]) -> bool: ...
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -161,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
         # the native kernels from prepare_head() on (on the CPU, where the library builds).
         self._head_blocks: Int8Weight | None = None
         self.head_q8: quant_cpu.PackedWeight | None = None
-        # Pure decode steps in one native call (prepare_decode), where every layer can take it.
-        self.decode_step: DecodeStep | None = None
+        # Pure decode steps in one native call on the CPU, or five fused launches per layer on the
+        # Triton path (prepare_decode), where every layer can take it.
+        self.decode_step: FusedDecodeStep | None = None
 
     @property
     def head_name(self) -> str:
@@ -174,12 +190,15 @@ class LlamaForCausalLM(nn.Module):
         """Run a flat batch of ``T`` tokens; returns final hidden states ``[T, hidden_size]`` (in the
         model dtype; fp32 where the native decode step, once prepared, runs the one-token rows)."""
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        if self.decode_step is not None and 1 in meta.query_lens:
-            if not self.decode_step.bound_to(kv_caches):
-                self.decode_step.bind_cache(kv_caches)
+        step = self.decode_step
+        if step is not None and 1 in meta.query_lens:
+            if not step.bound_to(kv_caches):
+                step.bind_cache(kv_caches)
             if meta.max_query_len == 1:
-                return self.decode_step(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor)
-            return self._forward_mixed(x, positions, kv_caches, meta)
+                return step(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
+                            meta.max_seq_len)
+            if step.takes_mixed_steps:
+                return self._forward_mixed(x, positions, kv_caches, meta)
         return self._forward_layers(x, positions, kv_caches, meta)
 
     def _forward_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -236,7 +255,8 @@ class LlamaForCausalLM(nn.Module):
         names = {"native": f"native int8-activation kernels{vnni}", "packed": "torch's packed kernels (bf16)",
                  "reference": "dequantise + matmul", "cuda": "Triton"}
         out = {"projections": ", ".join(names.get(p, p) for p in paths) or f"dense {str(self.dtype)[6:]}",
-               "decode": "one native call per step" if self.decode_step is not None else "layer by layer",
+               "decode": "layer by layer" if self.decode_step is None else "one native call per step"
+               if isinstance(self.decode_step, DecodeStep) else "fused Triton step (5 launches per layer)",
                "attention": self.attn_backend.name,
                "lm_head": "native int8 (the checkpoint's Q8_0)" if self.head_q8 is not None
                else f"dense {str(self.dtype)[6:]}"}
@@ -246,14 +266,15 @@ class LlamaForCausalLM(nn.Module):
 
     def use_triton_kernels(self) -> None:
         """Bind what loading on a GPU binds, on whatever device the model is: the projections on the
-        Triton INT4/INT8 matmuls, the LM head dense, no native decode step. On the CPU only under
-        TRITON_INTERPRET=1, to test and count the GPU path here (tests, benchmarks/decode_launches.py);
-        the attention backend is the caller's (Triton, for the whole GPU path)."""
+        Triton INT4/INT8 matmuls, the LM head dense, and with the Triton attention backend the fused
+        Triton decode step. On the CPU only under TRITON_INTERPRET=1, to test and count the GPU path
+        here (tests, benchmarks/decode_launches.py); the attention backend is the caller's (Triton,
+        for the whole GPU path)."""
         for module in self.modules():
             if hasattr(module, "cpu_path") and hasattr(module, "use"):  # llmd.quant's INT4/INT8 layers
                 module.use("triton")
         self.head_q8 = None
-        self.decode_step = None
+        self.prepare_decode()
 
     def prepare_head(self) -> None:
         """Once loaded: hold the head's Q8_0 blocks for the native INT8 matmul
@@ -271,20 +292,65 @@ class LlamaForCausalLM(nn.Module):
             self.head_q8 = quant_cpu.PackedWeight.from_int8(q8)
 
     def prepare_decode(self, lib: ctypes.CDLL | None = None) -> None:
-        """Once loaded (after the projections' prepare()): run pure decode steps through the native
-        decode step (llmd.kernels.decode_cpu) where it can take every layer: on the CPU with the cpu
-        attention backend, fp32 or bf16, every projection on the native INT4/INT8 kernels. Otherwise
-        (or when ``LLMD_FUSED_DECODE=0``) decode steps keep the per-layer path; the log says why.
+        """Once loaded (after the projections' prepare()): run pure decode steps through a fused
+        decode step where it can take every layer. On the CPU with the cpu attention backend, the
+        native one (llmd.kernels.decode_cpu): fp32 or bf16, every projection on the native INT4/INT8
+        kernels. With the Triton attention backend, the Triton one (llmd.kernels.decode_triton):
+        every projection on the Triton INT4/INT8 matmuls or dense. Otherwise (or when
+        ``LLMD_FUSED_DECODE=0``) decode steps keep the per-layer path; the log says why.
         ``lib``: another build of the native library (tests)."""
         self.decode_step = None
-        reason = self._decode_step_unsupported()
+        triton = self.attn_backend.name == "triton"
+        reason = self._triton_decode_unsupported() if triton else self._decode_step_unsupported()
         if reason is None:
             try:
-                self.decode_step = self._build_decode_step(lib)
+                self.decode_step = self._build_triton_decode_step() if triton else self._build_decode_step(lib)
             except ValueError as e:
                 reason = str(e)
         if reason is not None:
             log.info("decode steps run layer by layer: %s", reason)
+
+    def _projections(self) -> Iterable[nn.Module]:
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            yield from (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+    def _triton_decode_unsupported(self) -> str | None:
+        if os.environ.get("LLMD_FUSED_DECODE", "1") == "0":
+            return "LLMD_FUSED_DECODE=0"
+        if self.config.head_dim % 2:
+            return f"RoPE needs an even head_dim, this model's is {self.config.head_dim}"
+        for p in self._projections():
+            if not (isinstance(p, Linear) or getattr(p, "cpu_path", None) == "triton"):
+                return f"a projection ({type(p).__name__}) is neither dense nor on the Triton INT4/INT8 matmuls"
+        return None
+
+    def _build_triton_decode_step(self) -> FusedDecodeStep:
+        from llmd.kernels import decode_triton  # imports triton: only on the Triton path
+        from llmd.kernels.attention_triton import NewTokenDecode
+
+        eps = self.config.rms_norm_eps
+
+        def bind(p: nn.Module, **fusions) -> decode_triton.Projection:
+            if isinstance(p, Linear):
+                return decode_triton.dense_projection(p.weight, p.bias, **fusions)
+            return p.bind_fused(self.dtype, **fusions)
+
+        cfg = self.config
+        splits = getattr(self.attn_backend, "decode_splits", None)  # forced in tests
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attention = NewTokenDecode(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.model.rotary_emb.inv_freq,
+                                       attn.scale, attn.sliding_window,
+                                       None if attn.q_norm is None else attn.q_norm.weight,
+                                       None if attn.k_norm is None else attn.k_norm.weight, eps, splits)
+            layers.append(decode_triton.LayerWeights(
+                qkv=bind(attn.qkv_proj, norm=(layer.input_layernorm.weight, eps)), attention=attention,
+                o=bind(attn.o_proj, add_residual=True),
+                gate_up=bind(mlp.gate_up_proj, norm=(layer.post_attention_layernorm.weight, eps)),
+                down=bind(mlp.down_proj, silu=True, add_residual=True), gate_up_width=2 * cfg.intermediate_size))
+        return decode_triton.DecodeStep(layers, self.model.norm.weight, eps)
 
     def _decode_step_unsupported(self) -> str | None:
         if os.environ.get("LLMD_FUSED_DECODE", "1") == "0":

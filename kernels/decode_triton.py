@@ -1,0 +1,123 @@
+"""A whole decode step on the GPU in five kernel launches per decoder layer (issue 19).
+
+Done layer by layer, a decode step of a small model is bound by the host launching kernels, not by
+the GPU: ~37 launches per layer before the fusions, ~10 with one kernel per norm, RoPE and SiLU.
+Here each layer is five, the elementwise work riding in the matmuls' launches and the attention's:
+
+1. qkv projection, the input RMSNorm in its prologue (bias in its epilogue);
+2. attention, straight from the qkv output: RoPE (and Qwen3's q/k norm), the new K/V written to
+   the cache, split-K over the context combined in the same launch
+   (llmd.kernels.attention_triton.decode_attention_new_token);
+3. o projection, the residual add in its epilogue, in place into the residual stream;
+4. gate/up projection, the post-attention RMSNorm in its prologue;
+5. down projection, ``SiLU(gate) * up`` in its prologue and the residual add in its epilogue.
+
+The residual stream is the embeddings' tensor, updated in place by 3 and 5; the final norm is one
+more launch. Numerics are the layer-by-layer Triton path's, rounding for rounding (the fused
+GEMVs round as the separate kernels do), so a decode row's tokens do not depend on which path ran.
+
+The model builds a :class:`DecodeStep` once loaded (``LlamaForCausalLM.prepare_decode``) when every
+projection can take the fusions (the Triton INT4/INT8 matmuls, or dense weights through
+:func:`dense_projection`), and hands it each pure decode step; steps with prompt chunks go layer
+by layer. Everything it reads lives in tensors, so the step can be captured as a CUDA graph
+(llmd.daemon.engine.cuda_graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmd.kernels import attention_triton, norm_act_triton
+
+# A projection with its fusions bound (llmd.kernels.quant_matmul_triton.FusedMatmul, or
+# :func:`dense_projection`): ``project(x, out=buffer)``, or ``project(x, residual)`` for one that
+# adds into the residual stream in place; the bias included. Returns the output.
+Projection = Callable[..., torch.Tensor]
+
+
+def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None, *,
+                     norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
+                     add_residual: bool = False) -> Projection:
+    """A dense projection (cuBLAS) with the fusions as separate kernels."""
+    def project(x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        if (residual is not None) != add_residual:
+            raise ValueError("a residual is " + ("required" if add_residual else "not taken") + " here")
+        result = norm_act_triton.around_matmul(x, lambda h: F.linear(h, weight), norm=norm, silu=silu, bias=bias,
+                                               residual=residual)
+        return result if out is None else out.copy_(result)
+    return project
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer as the step runs it: its projections bound with their fusions, ``qkv``
+    with the input norm, ``o`` adding into the residual, ``gate_up`` with the post-attention norm,
+    ``down`` with SiLU x up and adding into the residual; its attention bound to its shape."""
+
+    qkv: Projection
+    attention: attention_triton.NewTokenDecode
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    gate_up_width: int  # gate/up's output features (2 x intermediate)
+
+
+class DecodeStep:
+    """The fused decode step of one model.
+
+    Args:
+        layers: the decoder layers, in order.
+        final_norm: the final RMSNorm's weight; ``eps`` its epsilon.
+    """
+
+    takes_mixed_steps = False  # a step with prompt chunks goes layer by layer (the extend kernel)
+
+    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, eps: float) -> None:
+        self.layers, self.final_norm, self.eps = layers, final_norm, eps
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The layers' qkv, attention and gate/up outputs by row count, allocated once and shared by
+        # every layer (each is consumed before the next layer writes it): no allocation per launch.
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _buffers_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = x.shape[0]
+        held = self._buffers.get(rows)
+        if held is None or held[0].dtype != x.dtype:
+            first = self.layers[0]
+            att = first.attention
+            held = self._buffers[rows] = (
+                torch.empty((rows, att.width), dtype=x.dtype, device=x.device),
+                torch.empty((rows, att.num_heads, att.head_dim), dtype=x.dtype, device=x.device),
+                torch.empty((rows, first.gate_up_width), dtype=x.dtype, device=x.device))
+        return held
+
+    def bind_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The KV cache the steps read and write (one ``(K, V)`` per layer)."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"a KV cache of {len(kv_caches)} layers for a model of {len(self.layers)}")
+        self._caches = kv_caches
+
+    def bound_to(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        return kv_caches is self._caches
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """Run the step: ``x [M, hidden]`` the new tokens' embeddings (overwritten: it becomes the
+        residual stream), ``positions``/``slots`` ``[M]``, ``block_tables [M, W]``, ``seq_lens [M]``
+        int32 (the new token included) and their maximum on the host (the attention's split count).
+        Returns the final norm's output ``[M, hidden]`` in x's dtype."""
+        rows = x.shape[0]
+        residual = x
+        qkv_out, attn_out, gate_up_out = self._buffers_for(x)
+        attn_rows = attn_out.view(rows, -1)
+        for layer, (k_cache, v_cache) in zip(self.layers, self._caches):
+            qkv = layer.qkv(residual, out=qkv_out)
+            layer.attention(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, max_seq_len, attn_out)
+            layer.o(attn_rows, residual)
+            layer.down(layer.gate_up(residual, out=gate_up_out), residual)
+        return norm_act_triton.add_rms_norm(residual, None, self.final_norm, self.eps)[0]
