@@ -623,14 +623,19 @@ def _launch_gemm(w: _QWeight, x: torch.Tensor, out: torch.Tensor, fusion: _Fusio
         NORM_BLOCK=GEMV_NORM_BLOCK, num_warps=GEMM_NUM_WARPS, **constexprs)
 
 
-def _run(w: _QWeight, x: torch.Tensor, path: KernelPath, fusion: _Fusion) -> torch.Tensor:
-    """The checked matmul on ``path``."""
+def _run(w: _QWeight, x: torch.Tensor, path: KernelPath, fusion: _Fusion,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The checked matmul on ``path``; into ``out`` (a contiguous ``[M, N]`` of any float dtype: the
+    kernels round their fp32 sums to it) when given, except on the dense path."""
     m = x.shape[0]
     if path == "dense" and m:
         if fusion is not _NO_FUSION:
             return _unfused(x, fusion, lambda h: _run(w, h, "dense", _NO_FUSION))
         return _dense_matmul(x, w.n, w.dequantize)
-    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device) if fusion.residual is None else fusion.residual
+    if fusion.residual is not None:
+        out = fusion.residual
+    elif out is None:
+        out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
     if m == 0 or w.n == 0:
         return out
     if x.stride(1) != 1:
@@ -692,8 +697,11 @@ class FusedMatmul:
     """
 
     def __init__(self, weight: _QWeight, dtype: torch.dtype, *, norm: tuple[torch.Tensor, float] | None = None,
-                 silu: bool = False, bias: torch.Tensor | None = None, add_residual: bool = False) -> None:
+                 silu: bool = False, bias: torch.Tensor | None = None, add_residual: bool = False,
+                 out_dtype: torch.dtype | None = None) -> None:
         device = weight.tensors[0].device
+        if out_dtype is not None and (out_dtype not in _ACT_DTYPES or add_residual):
+            raise ValueError(f"out_dtype must be float16, bfloat16 or float32, and without a residual; got {out_dtype}")
         self._width = 2 * weight.k if silu else weight.k
         probe = torch.empty((1, self._width), dtype=dtype, device=device)
         _check_x(probe, weight.k, device, norm, silu)
@@ -701,8 +709,14 @@ class FusedMatmul:
         if self._fused is _NO_FUSION:
             self._fused = _Fusion()
         self.weight, self.dtype, self.add_residual, self.device = weight, dtype, add_residual, device
+        self.out_dtype = out_dtype or dtype
         self._norm, self._silu, self._bias = norm, silu, bias
         self._plans: dict[int, tuple] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight (and its scales and mins)."""
+        return sum(t.numel() * t.element_size() for t in self.weight.tensors)
 
     def _plan(self, block_m: int) -> tuple:
         """What a launch of ``block_m``-row tiles passes besides x, out and the residual."""
@@ -731,16 +745,19 @@ class FusedMatmul:
             out = residual
         # (dtypes are singletons: `is` is their equality)
         if not (0 < m <= GEMV_MAX_M and x.dtype is self.dtype and shape[1] == self._width and x.is_contiguous()
-                and (out is None or (out.shape[0] == m and out.shape[1] == w.n and out.dtype is self.dtype
+                and (out is None or (out.shape[0] == m and out.shape[1] == w.n and out.dtype is self.out_dtype
                                      and out.is_contiguous()))):
             _check_x(x, w.k, self.device, self._norm, self._silu)
-            result = _run(w, x, _path_for(m), _fusion(x, w.k, w.n, self._norm, self._silu, self._bias, residual))
+            if out is None and self.out_dtype is not x.dtype:
+                out = torch.empty((m, w.n), dtype=self.out_dtype, device=x.device)
+            result = _run(w, x, _path_for(m), _fusion(x, w.k, w.n, self._norm, self._silu, self._bias, residual),
+                          out)
             return result if out is None or result is out else out.copy_(result)
         block_m = 1 if m == 1 else GEMV_DOT_BLOCK_M
         launch, part, counters, norm_w, bias, n, k, eps, sw, ss, k_iters, split, kwargs = \
             self._plans.get(block_m) or self._plan(block_m)
         if out is None:
-            out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+            out = torch.empty((m, n), dtype=self.out_dtype, device=x.device)
         launch(x, *w.tensors, out, out if part is None else part, counters, x if norm_w is None else norm_w,
                x if bias is None else bias, out, m, n, k, eps, x.stride(0), sw, ss, n, n, k_iters, split, **kwargs)
         return out
@@ -749,7 +766,9 @@ class FusedMatmul:
 def fused_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
                dtype: torch.dtype, **fusions) -> FusedMatmul:
     """:class:`FusedMatmul` of an INT4 weight (the arguments of :func:`int4_matmul`) for activations
-    of ``dtype``; ``fusions``: ``norm``, ``silu``, ``bias``, ``add_residual``."""
+    of ``dtype``; ``fusions``: ``norm``, ``silu``, ``bias``, ``add_residual``, and ``out_dtype``
+    (the result's, default ``dtype``: an fp32 result takes the fp32 sums unrounded, as the LM
+    head's logits want)."""
     return FusedMatmul(_int4_weight(packed, scales, mins, group_size), dtype, **fusions)
 
 

@@ -4,6 +4,7 @@ and sliding windows; and how the backend is chosen."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,74 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     assert {m.cpu_path for m in gpu.model.modules() if hasattr(m, "cpu_path")} == {"triton"}
     assert isinstance(gpu.model.decode_step, DecodeStep)  # decode steps: llmd.kernels.decode_triton's
     assert run_engine(gpu, requests) == expected
+
+
+@contextmanager
+def recorded_launches(variants: set, run: bool = False):
+    """Record every Triton launch's kernel and compile-time arguments (constexprs, warps): what a
+    GPU compiles a variant for. Kernels do not run unless ``run`` (the outputs are garbage)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        variants.add((self.fn.__name__, tuple(sorted(kwargs.items()))))
+        if run:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = record
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = original
+
+
+def test_the_warm_up_launches_every_kernel_variant_serving_does(tmp_path: Path) -> None:
+    """Item 4 of issue 19: no compile while serving. After ModelRunner.warm_up, a workload of
+    prompts of 1..80 tokens in chunks, prefix hits and decode batches of 1..8 on the GPU path
+    launches no kernel variant the warm-up did not (a GPU compiles each variant at its first
+    launch). Recorded, not run: the variants, not the values, are the point."""
+    from llmd.daemon.models.layer_ops import TritonLayerOps
+    from llmd.quant.apply import QuantConfig
+
+    model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
+    engine = make_engine(model_dir, attention=TorchAttentionBackend(), quant=QuantConfig("int4", 32),
+                         num_blocks=96, block_size=16, max_num_batched_tokens=24)
+    engine.model.attn_backend, engine.model.layer_ops = TritonAttentionBackend(), TritonLayerOps()
+    engine.model.use_triton_kernels()
+    warmed, served = set(), set()
+    with recorded_launches(warmed):
+        engine.runner.warm_up(24)
+    with recorded_launches(served):
+        run_engine(engine, make_requests(seed=5))
+    assert len(served) > 5 and not served - warmed, sorted(served - warmed)
+
+
+def test_the_checkpoints_q8_head_on_the_triton_path(tmp_path: Path) -> None:
+    """A GGUF's Q8_0 head goes to the Triton INT8 matmul on the GPU path, fp32 logits straight from
+    its sums: those of the dense copy (which holds the Q8_0 values exactly) but for the order of
+    the sums, at one row (the GEMV) and at many (the GEMM)."""
+    import torch.nn.functional as F
+    from tiny_models import write_llama_gguf
+
+    from llmd.daemon.loader import load_model
+    from llmd.daemon.model_source import resolve_model
+    from llmd.kernels.quant_matmul_triton import FusedMatmul
+    from llmd.quant.apply import QuantConfig
+
+    path = write_llama_gguf(make_hf_model("llama"), tmp_path / "q8.gguf", quantize_type="Q8_0")
+    model = load_model(resolve_model(path), quant=QuantConfig("auto")).model
+    assert model.head_q8 is not None  # the native head: the checkpoint's blocks, kept
+    model.attn_backend = TritonAttentionBackend()
+    model.use_triton_kernels()
+    assert isinstance(model.head_q8, FusedMatmul)
+    assert model.kernels()["lm_head"] == "Triton int8 (the checkpoint's Q8_0)"
+    dense = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
+    for rows in (1, 40):
+        hidden = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+        got = model.compute_logits(hidden)
+        assert got.dtype == torch.float32 and got.shape == (rows, model.config.vocab_size)
+        assert (got - F.linear(hidden, dense)).abs().max() < 1e-4
 
 
 def test_generator_on_the_triton_backend(tmp_path: Path) -> None:

@@ -262,3 +262,31 @@ def test_stop_string_on_the_last_allowed_token_reports_stop(model_dir: Path) -> 
         deltas.extend(engine.step())
     assert deltas[-1].finish_reason == "stop"
     assert "".join(d.text for d in deltas) == text[:-len(last)]
+
+
+def test_penalty_counts_kept_between_steps_match_counts_from_the_token_lists() -> None:
+    """The runner's rows carry a key: their penalties' counts live on the device and take only a
+    step's new tokens. Step after step (outputs growing, a request finishing and a new one taking
+    its row, more requests than rows at first) the penalised logits equal those counted afresh
+    from the token lists, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 40
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25),
+              SamplingParams(temperature=0, presence_penalty=0.7, repetition_penalty=0.8)]
+    live = {f"r{i}": (p, torch.randint(0, vocab + 5, (7,), generator=g).tolist(), []) for i, p in enumerate(params)}
+    kept, fresh = Sampler(), Sampler()
+    for step in range(12):
+        if step == 5:  # r2 finishes, r9 arrives and takes its row, which must come back empty
+            kept.release("r2")
+            del live["r2"]
+            live["r9"] = (SamplingParams(temperature=0, frequency_penalty=1.5), [1, 2, 3], [])
+        logits = torch.randn(len(live), vocab, generator=g)
+        keyed = [SampleRequest(p, prompt, out, None, key) for key, (p, prompt, out) in live.items()]
+        unkeyed = [SampleRequest(p, prompt, out, None) for p, prompt, out in live.values()]
+        want = fresh._apply_penalties(logits, unkeyed)
+        assert torch.equal(kept._apply_penalties(logits, keyed), want), step
+        assert not torch.equal(want, logits)
+        for _, _, out in live.values():  # one new token each (some past the vocabulary: ignored)
+            out.append(int(torch.randint(0, vocab + 2, (1,), generator=g)))
+    assert len(kept._counts) == 3  # r0, r3 and r9: the live requests with penalties (r1 has none)

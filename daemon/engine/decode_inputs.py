@@ -38,23 +38,33 @@ class DecodeInputs:
         self.device = device
         self.buckets = buckets
         pin = device.type == "cuda"
-
-        def host(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
-
-        self._host = {"ids": host(max_rows), "positions": host(max_rows), "slots": host(max_rows),
-                      "seq_lens": host(max_rows, dtype=torch.int32), "tables": host(max_rows, max_blocks)}
+        # Two buffers, so that a GPU step copies twice, not once per input: the per-row scalars
+        # (ids, positions and slots int64, then the int32 lengths in the int64 words after them),
+        # copied whole (a few KB), and the block tables, copied for the step's rows.
+        rows = max_rows
+        self._scalars = torch.zeros(3 * rows + -(-rows // 2), dtype=torch.long, pin_memory=pin)
+        self._tables = torch.zeros(rows, max_blocks, dtype=torch.long, pin_memory=pin)
+        self._host = self._fields(self._scalars, self._tables)
         self._np = {name: t.numpy() for name, t in self._host.items()}
-        self._dev = self._host if device.type == "cpu" else {
-            name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
+        if device.type == "cpu":
+            self._dev_scalars, self._dev_tables, self._dev = self._scalars, self._tables, self._host
+        else:
+            self._dev_scalars = torch.zeros_like(self._scalars, device=device)
+            self._dev_tables = torch.zeros_like(self._tables, device=device)
+            self._dev = self._fields(self._dev_scalars, self._dev_tables)
         # a decode step's query_start_loc is 0, 1, ..., rows: one constant for every step
         self._query_start = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, AttentionMetadata]] = {}
 
+    def _fields(self, scalars: torch.Tensor, tables: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows = self.max_rows
+        return {"ids": scalars[:rows], "positions": scalars[rows:2 * rows], "slots": scalars[2 * rows:3 * rows],
+                "seq_lens": scalars[3 * rows:].view(torch.int32)[:rows], "tables": tables}
+
     @property
     def num_buffers(self) -> int:
         """The host buffers; on a GPU :meth:`fill` copies each to the device once per step."""
-        return len(self._host)
+        return 2
 
     def rows_for(self, num_seqs: int) -> int:
         """Rows a step of ``num_seqs`` sequences runs: itself, or its bucket."""
@@ -83,8 +93,8 @@ class DecodeInputs:
         if rows > n:
             ids[n:rows], pos[n:rows], slots[n:rows], lens[n:rows], tables[n:rows, 0] = 0, 0, PAD_SLOT, 1, 0
         if self.device.type != "cpu":
-            for name, t in self._host.items():
-                self._dev[name][:rows].copy_(t[:rows], non_blocking=True)
+            self._dev_scalars.copy_(self._scalars, non_blocking=True)
+            self._dev_tables[:rows].copy_(self._tables[:rows], non_blocking=True)
         input_ids, positions, meta = self.views(rows)
         # the host side of the metadata, for the paths that read it (a captured graph does not)
         meta.seq_lens = lens[:rows].tolist()

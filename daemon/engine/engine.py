@@ -106,7 +106,7 @@ class LLMEngine:
         self.runner: ModelRunner | None = ModelRunner(model, config.block_size, config.max_num_seqs, self.max_model_len,
                                                         config.cuda_graphs)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
-        self.runner.allocate_kv_cache(self.num_blocks)
+        self._start_runner()
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
@@ -145,7 +145,14 @@ class LLMEngine:
         self.model = model
         self.runner = ModelRunner(model, self.config.block_size, self.config.max_num_seqs, self.max_model_len,
                                   self.config.cuda_graphs)
+        self._start_runner()
+
+    def _start_runner(self) -> None:
+        """The KV cache, and on a GPU with the Triton kernels a warm-up step of every size class,
+        so that serving never stalls on a kernel compile (ModelRunner.warm_up)."""
         self.runner.allocate_kv_cache(self.num_blocks)
+        if self.runner.device.type == "cuda" and self.model.attn_backend.name == "triton":
+            self.runner.warm_up(self.config.max_num_batched_tokens)
 
     def _blocks_for_budget(self) -> int:
         cfg = self.config

@@ -28,6 +28,12 @@ from llmd.daemon.models import LlamaForCausalLM
 log = logging.getLogger("llmd")
 
 
+# Row counts of the warm-up's steps: one in each power-of-two bucket up to 512, as the kernels pick
+# their tiles (the GEMV to 16 rows, GEMM tiles of 16..64, the extend kernel's 16..64 query rows,
+# the dense path above 128), capped by the step budget.
+WARM_UP_ROWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
+
+
 def _graphs_unsupported(model: LlamaForCausalLM, device: torch.device) -> str | None:
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
@@ -113,9 +119,39 @@ class ModelRunner:
         finally:
             self.kv_caches = caches
 
+    def warm_up(self, max_num_batched_tokens: int) -> None:
+        """Run a step of every size class serving can make, once, on the KV cache (no sequence
+        holds a block yet; whatever this writes, a sequence overwrites before it reads). On a GPU
+        each Triton kernel variant compiles at its first launch (a second or so; from Triton's disk
+        cache after the first start): without this, the first step past a threshold (a chunk of 17
+        tokens, a 17th sequence, a 65th) would stall mid-serving on a compile. The sizes are the
+        row counts where a kernel's tile size changes (powers of two, see WARM_UP_ROWS)."""
+        bs = self.block_size
+        num_blocks = self.kv_caches[0][0].shape[0]
+        chunks = [n for n in WARM_UP_ROWS if n <= min(max_num_batched_tokens, self.max_model_len, num_blocks * bs)]
+        rows = [n for n in WARM_UP_ROWS if n <= min(self.decode_inputs.max_rows, num_blocks)]
+        dev = self.device
+        params = SamplingParams(temperature=1.0, top_p=0.9)
+        for n in chunks:  # a prompt chunk of n tokens (a mixed step's kernels are these too)
+            meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), query_lens=[n], seq_lens=[n],
+                                     block_tables=torch.arange(-(-n // bs), device=dev)[None, :])
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev),
+                                self.kv_caches, meta)
+            self.sampler(self.model.compute_logits(hidden[-1:]), [SampleRequest(params, [], [], None)])
+        for r in rows:  # a decode step of r sequences, each on a block of its own, its second token
+            meta = AttentionMetadata(slot_mapping=torch.arange(r, device=dev) * bs + 1, query_lens=[1] * r,
+                                     seq_lens=[2] * r, block_tables=torch.arange(r, device=dev)[:, None])
+            hidden = self.model(torch.zeros(r, dtype=torch.long, device=dev), torch.ones(r, dtype=torch.long,
+                                                                                         device=dev),
+                                self.kv_caches, meta)
+            self.sampler(self.model.compute_logits(hidden), [SampleRequest(params, [], [], None)] * r)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     def release(self, request_id: str) -> None:
-        """Forget a finished request's RNG."""
+        """Forget a finished request's RNG and its penalties' counts."""
         self._generators.pop(request_id, None)
+        self.sampler.release(request_id)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -189,7 +225,7 @@ class ModelRunner:
             return StepOutput(sampled, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[sample_tokens])
         rows = [
-            SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq))
+            SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq), seq.request_id)
             for seq in (batch.seqs[r] for r in sample_rows)
         ]
         result = self.sampler(logits, rows)

@@ -13,17 +13,20 @@ from dataclasses import dataclass
 import torch
 
 from llmd.daemon.device import host_tensor
+from llmd.daemon.engine.penalty_counts import PenaltyCounts, uses_counts
 from llmd.daemon.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class SampleRequest:
-    """What the sampler needs of one row: its params, its tokens so far, its RNG (if seeded)."""
+    """What the sampler needs of one row: its params, its tokens so far, its RNG (if seeded), and
+    the request's id (``key``) where the sampler keeps its penalties' counts between steps."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    key: str | None = None
 
 
 @dataclass(slots=True)
@@ -36,7 +39,20 @@ class SampleResult:
 class Sampler:
     """NOTE: on a GPU a step reads the device once, for the chosen ids, and once more, for every
     row's log-probabilities together, when any row asks for them: penalties are scattered from one
-    index list and greedy and sampled rows race in one argmax, so nothing else waits for the GPU."""
+    index list and greedy and sampled rows race in one argmax, so nothing else waits for the GPU.
+
+    Rows with a ``key`` keep their penalties' token counts on the device between steps
+    (llmd.daemon.engine.penalty_counts: only a step's new tokens cross), until :meth:`release`;
+    rows without one count their token lists afresh.
+    """
+
+    def __init__(self) -> None:
+        self._counts: PenaltyCounts | None = None
+
+    def release(self, key: str) -> None:
+        """Forget a finished request's counts."""
+        if self._counts is not None:
+            self._counts.release(key)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """Pick one token per row of ``logits`` ``[B, V]`` (fp32)."""
@@ -89,34 +105,30 @@ class Sampler:
             out[i] = (line[0], [(int(t), v) for t, v in zip(line[1 + n:1 + n + k], line[1:1 + k])])
         return out
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         """Repetition (on every token seen, prompt included), frequency and presence penalties (on
-        the output's tokens), for all rows at once: one index list each, scattered on the device."""
-        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1]
-        counted = [i for i, r in enumerate(rows)
-                   if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+        the output's tokens), for all rows at once."""
+        rep = any(r.params.repetition_penalty != 1 for r in rows)
+        counted = any(r.params.presence_penalty or r.params.frequency_penalty for r in rows)
         if not rep and not counted:
             return logits
-        batch, vocab = logits.shape
         device = logits.device
+        penalised = [uses_counts(r.params) for r in rows]
+        if all(r.key is not None for r, p in zip(rows, penalised) if p):
+            if self._counts is None or self._counts.vocab != logits.shape[1] or self._counts.device != device:
+                self._counts = PenaltyCounts(logits.shape[1], device)
+            counts, seen = self._counts.gather([r.key if p else None for r, p in zip(rows, penalised)],
+                                               [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows])
+        else:
+            counts, seen = _counts_from_lists(rows, penalised, logits.shape[1], device)
 
         def per_row(values: list[float]) -> torch.Tensor:
             return host_tensor(values, torch.float32, device)[:, None]
 
         if rep:
-            flat = [i * vocab + t for i in rep for t in set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)
-                    if t < vocab]
-            seen = torch.zeros(batch * vocab, dtype=torch.bool, device=device)
-            seen[host_tensor(flat, torch.long, device)] = True
-            penalty = per_row([r.params.repetition_penalty for r in rows])
-            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-            logits = torch.where(seen.view(batch, vocab), penalised, logits)
+            penalty = per_row([r.params.repetition_penalty for r in rows])  # 1 where none: no change
+            logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
         if counted:
-            flat = [i * vocab + t for i in counted for t in rows[i].output_token_ids if t < vocab]
-            index = host_tensor(flat, torch.long, device)
-            counts = torch.zeros(batch * vocab, dtype=logits.dtype, device=device)
-            counts = counts.scatter_add_(0, index, torch.ones_like(index, dtype=logits.dtype)).view(batch, vocab)
             logits = (logits - per_row([r.params.frequency_penalty for r in rows]) * counts
                       - per_row([r.params.presence_penalty for r in rows]) * (counts > 0).to(logits.dtype))
         return logits
@@ -139,6 +151,25 @@ class Sampler:
         drop |= before >= host_tensor(top_p, torch.float32, device)[:, None]
         mask = torch.zeros_like(drop).scatter(1, order, drop)
         return logits.masked_fill(mask, float("-inf"))
+
+
+def _counts_from_lists(rows: list[SampleRequest], penalised: list[bool], vocab: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts, seen)`` as llmd.daemon.engine.penalty_counts keeps them, built from the rows'
+    token lists in one scatter each (rows without a key: llmd.daemon.generate, tests)."""
+    batch = len(rows)
+    count_at = [i * vocab + t for i, (r, p) in enumerate(zip(rows, penalised)) if p
+                for t in r.output_token_ids if t < vocab]
+    seen_at = [i * vocab + t for i, (r, p) in enumerate(zip(rows, penalised)) if p
+               for t in set(r.prompt_token_ids) | set(r.output_token_ids) if t < vocab]
+    counts = torch.zeros(batch * vocab, dtype=torch.float32, device=device)
+    seen = torch.zeros(batch * vocab, dtype=torch.bool, device=device)
+    if count_at:
+        index = host_tensor(count_at, torch.long, device)
+        counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+    if seen_at:
+        seen[host_tensor(seen_at, torch.long, device)] = True
+    return counts.view(batch, vocab), seen.view(batch, vocab)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

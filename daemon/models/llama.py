@@ -16,7 +16,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -175,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         # The head's Q8_0 blocks when the checkpoint has them (GGUF): kept by load_weights, held for
         # the native kernels from prepare_head() on (on the CPU, where the library builds).
         self._head_blocks: Int8Weight | None = None
-        self.head_q8: quant_cpu.PackedWeight | None = None
+        self.head_q8: Callable[[torch.Tensor], torch.Tensor] | None = None  # -> fp32 logits
         # Pure decode steps in one native call on the CPU, or five fused launches per layer on the
         # Triton path (prepare_decode), where every layer can take it.
         self.decode_step: FusedDecodeStep | None = None
@@ -254,12 +254,16 @@ class LlamaForCausalLM(nn.Module):
         vnni = " (VNNI)" if lib is not None and lib.llmd_has_vnni() else ""
         names = {"native": f"native int8-activation kernels{vnni}", "packed": "torch's packed kernels (bf16)",
                  "reference": "dequantise + matmul", "cuda": "Triton"}
+        decode = "layer by layer"
+        if isinstance(self.decode_step, DecodeStep):
+            decode = "one native call per step"
+        elif self.decode_step is not None:
+            decode = "fused Triton step (5 launches per layer)"
         out = {"projections": ", ".join(names.get(p, p) for p in paths) or f"dense {str(self.dtype)[6:]}",
-               "decode": "layer by layer" if self.decode_step is None else "one native call per step"
-               if isinstance(self.decode_step, DecodeStep) else "fused Triton step (5 launches per layer)",
-               "attention": self.attn_backend.name,
-               "lm_head": "native int8 (the checkpoint's Q8_0)" if self.head_q8 is not None
-               else f"dense {str(self.dtype)[6:]}"}
+               "decode": decode, "attention": self.attn_backend.name, "lm_head": f"dense {str(self.dtype)[6:]}"}
+        if self.head_q8 is not None:
+            where = "native" if isinstance(self.head_q8, quant_cpu.PackedWeight) else "Triton"
+            out["lm_head"] = f"{where} int8 (the checkpoint's Q8_0)"
         if device == "cpu":
             out["cpu_profile"] = cpu_profile.describe()
         return out
@@ -273,8 +277,22 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "cpu_path") and hasattr(module, "use"):  # llmd.quant's INT4/INT8 layers
                 module.use("triton")
+        head = self.head_q8
         self.head_q8 = None
+        if isinstance(head, quant_cpu.PackedWeight):  # the checkpoint's Q8_0 head, as a GPU holds it
+            self.head_q8 = self._triton_head(Int8Weight(*quant_cpu.unpack_q8x8(head.w, head.scales, head.n),
+                                                        head.group_size))
         self.prepare_decode()
+
+    def _triton_head(self, q8: Int8Weight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The head's Q8_0 blocks on the Triton INT8 matmul, fp32 logits straight from its sums: on a
+        GPU the head is the largest weight a decode step reads (SmolLM2-135M: 57 MB in bf16, 30 MB
+        so, of ~115 MB a token), the dense copy stays for the embedding lookups."""
+        from llmd.kernels.quant_matmul_triton import fused_int8
+
+        device = self.model.embed_tokens.weight.device
+        return fused_int8(q8.qweight.to(device), q8.scales.to(device), q8.group_size, self.dtype,
+                          out_dtype=torch.float32)
 
     def prepare_head(self) -> None:
         """Once loaded: hold the head's Q8_0 blocks for the native INT8 matmul
@@ -284,11 +302,15 @@ class LlamaForCausalLM(nn.Module):
         one row: 1.7 ms vs 12.6 ms for the fp32 matmul; 16 rows: 7.3 vs 33 ms). The int8 activations
         move log-probabilities by ~0.04 nats on average and a text's perplexity by ~0.01%
         (tests/test_quant_native.py, test_quality.py). The dense copy stays for the embedding
-        lookups; elsewhere (a GPU, no library) it is the head too."""
+        lookups. On a GPU the blocks go to the Triton INT8 matmul (:meth:`_triton_head`); without
+        the library the dense copy is the head too."""
         q8, self._head_blocks = self._head_blocks, None
         device = self.model.embed_tokens.weight.device
-        if (q8 is not None and device.type == "cpu" and q8.group_size % quant_cpu.QK == 0
-                and quant_cpu.cpu_path(torch.float32, q8.shape[1]) == "native"):
+        if q8 is None:
+            return
+        if device.type == "cuda":
+            self.head_q8 = self._triton_head(q8)
+        elif q8.group_size % quant_cpu.QK == 0 and quant_cpu.cpu_path(torch.float32, q8.shape[1]) == "native":
             self.head_q8 = quant_cpu.PackedWeight.from_int8(q8)
 
     def prepare_decode(self, lib: ctypes.CDLL | None = None) -> None:
