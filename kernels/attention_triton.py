@@ -18,8 +18,10 @@ The cache layout is the torch reference's (``attention_ref.py``): per layer, K a
 * ``_extend_kernel`` attends a ragged batch of chunks: sequence ``i`` brings ``query_len`` new
   tokens at positions ``seq_len - query_len .. seq_len - 1`` whose K/V are already in the cache
   behind a cached prefix (chunked prefill, prefix-cache hits, and decode rows in a mixed step).
-  One program per ``(sequence, query head, BLOCK_M new tokens)``, causal within the chunk; key
-  blocks past the tile's last position are never loaded.
+  One program per ``(sequence, KV head, BLOCK_T new tokens)``, the tile's rows those tokens times
+  the query heads sharing the KV head (each K/V tile read once per KV head, not per query head);
+  a key tile spans 64 keys (32 in fp32) across several cache blocks; causal within the chunk,
+  keys past the tile's last position never loaded.
 
 Both attention kernels use the online softmax in base 2 (scores pre-multiplied by
 ``scale * log2(e)``), accumulate in fp32, and read the block table in the loop, so a sequence's
@@ -29,12 +31,14 @@ GPU checklist (no GPU is available to this project; every kernel runs in the Tri
 interpreter in the tests, and ``tests/test_attention_triton.py`` compiles each for sm_80):
 
 * every ``tl.arange`` extent is a power of two: ``BLOCK_D`` is ``head_dim`` rounded up (80 and 96
-  use 128, masked; at least 16), ``BLOCK_N`` is the KV block size (16 or 32), ``BLOCK_G`` and
-  ``BLOCK_M`` are powers of two >= 16;
-* tiles fit in shared memory on every targeted card (<= 64 KiB): block size <= 32, head_dim <= 128,
-  ``BLOCK_M`` <= 64 (32 in fp32); the compile test reads each kernel's shared-memory use;
-* every ``tl.dot`` operand is at least 16 in each dimension: ``BLOCK_G``/``BLOCK_M`` >= 16 rows,
-  ``BLOCK_N`` >= 16 keys, ``BLOCK_D`` >= 16; the block size is checked to be >= 16;
+  use 128, masked; at least 16), ``BLOCK_N`` is the KV block size (16 or 32) in decode and a
+  multiple of it in extend, the decode ``BLOCK_G`` and the extend tile's rows are >= 16;
+* tiles fit in shared memory on every targeted card (64 KiB on Turing, 99 KiB on consumer
+  Ampere/Ada): block size <= 32, head_dim <= 128, extend tiles of at most 64 rows and 64 keys
+  (Turing 32 and 32, fp32 16 and 32); the compile test reads each kernel's shared-memory use
+  (at most 57 KiB, 81 KiB on Hopper, whose pipelining takes more of its 227);
+* every ``tl.dot`` operand is at least 16 in each dimension: 16 rows or more, ``BLOCK_N`` >= 16
+  keys, ``BLOCK_D`` >= 16; the block size is checked to be >= 16;
 * every ragged edge is masked: head_dim below ``BLOCK_D``, keys past ``seq_len`` in a last block
   (their V loads as 0, so stale inf/NaN in a reused block cannot leak),
   query rows past a chunk's end, padding rows of a GQA group below ``BLOCK_G``, empty splits,
@@ -59,16 +63,17 @@ from llmd.kernels.launch import arrival_counters, next_power_of_2, workspace
 
 MIN_BLOCK = 16  # tl.dot needs every operand dimension >= 16
 # Tiles must fit in shared memory: 64 KiB on the smallest card targeted (Turing, sm_75), ~100 KiB on
-# consumer Ampere/Ada. The K/V tile is one KV block, so the block size and head_dim are capped,
-# and fp32 uses a quarter of the query rows. The largest allowed tiles need <= 49 KiB (compile test).
+# consumer Ampere/Ada. The decode kernel's K/V tile is one KV block, so the block size and head_dim
+# are capped; the extend kernel's tiles are below.
 MAX_BLOCK_SIZE = 32
 MAX_HEAD_DIM = 128
-EXTEND_MAX_BLOCK_M = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
-# Register-bound below these (ptxas, tests/test_attention_triton.py): with 4 warps a 64-row fp16 tile
-# of head_dim 128 spilled ~9 KB on sm_75 and 32-row fp32 tiles 76-140 B on sm_80; 8 warps and these
-# caps spill nothing. Turing (sm_75) has no bf16 and runs fp16 tiles of at most 32 rows.
+# The extend kernel's tiles: query rows (tokens x the GQA group's heads) and keys (several KV
+# blocks). Register- and shared-memory-bound at these (ptxas, tests/test_attention_triton.py, 8
+# warps, head_dim 128): larger spilled. Turing (sm_75) has no bf16 and runs fp16 tiles of fewer rows.
+EXTEND_ROWS = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
+EXTEND_KEYS = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 32}
 EXTEND_NUM_WARPS = 8
-TURING_EXTEND_MAX_BLOCK_M = 32
+TURING_EXTEND_ROWS, TURING_EXTEND_KEYS = 32, 32  # 64 keys spilled ~0.5 KB there
 # The decode kernel on Turing: 8 warps (4 spilled ~0.5 KB fed from the qkv projection, head_dim 128,
 # 8 query heads per KV head); 4 elsewhere.
 TURING_DECODE_NUM_WARPS = 8
@@ -295,47 +300,60 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
                    scale_log2, window,
                    stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr):
+    # One program per (sequence, KV head, BLOCK_T new tokens): its rows are those tokens times the
+    # GROUP query heads that share the KV head (row r: token r // BLOCK_G, head r % BLOCK_G), so
+    # each K/V tile is read once per KV head. A key tile is BLOCK_N keys across BLOCK_N / KV_BLOCK
+    # cache blocks, each key's block looked up in the block table.
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    m_block = tl.program_id(2)
+    kv_head = tl.program_id(1)
+    t_block = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq).to(tl.int64)  # token offsets times strides can pass 2**31
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # tokens cached before this chunk (a prefix hit or earlier chunks)
-    kv_head = head // GROUP
-    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_T * BLOCK_G)
+    tok = t_block * BLOCK_T + r // BLOCK_G
+    head = kv_head * GROUP + r % BLOCK_G
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
-    mask_m = m < q_len  # the grid covers the longest chunk; shorter ones mask (or skip) the rest
+    mask_r = (tok < q_len) & (r % BLOCK_G < GROUP)  # the grid covers the longest chunk; shorter ones mask
     mask_d = d < HEAD_DIM
-    q_pos = context + m
-    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q_pos = context + tok
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
 
-    # Causal: the tile's last row sees up to its own position, so later blocks are skipped; a
-    # tile wholly past the chunk's end has end_block <= first_block and loads nothing.
-    last_pos = tl.minimum(context + (m_block + 1) * BLOCK_M, seq_len) - 1
-    end_block = tl.where(m_block * BLOCK_M < q_len, last_pos // BLOCK_N + 1, 0)
-    first_block = 0
+    # Causal: the tile's last token sees up to its own position, so later keys are never loaded; a
+    # tile wholly past the chunk's end has end_key <= first_key and loads nothing.
+    last_pos = tl.minimum(context + (t_block + 1) * BLOCK_T, seq_len) - 1
+    end_key = tl.where(t_block * BLOCK_T < q_len, last_pos + 1, 0)
+    first_key = 0
     if SLIDING:
-        first_block = tl.maximum(context + m_block * BLOCK_M - window + 1, 0) // BLOCK_N
+        first_key = tl.maximum(context + t_block * BLOCK_T - window + 1, 0) // BLOCK_N * BLOCK_N
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for blk in range(first_block, end_block):
-        k, v, k_pos = _load_kv_block(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, blk, kv_head,
-                                     seq_len, n, d, mask_d, stride_cb, stride_cs, stride_ch, BLOCK_N)
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+    m_i = tl.full((BLOCK_T * BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_T * BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for k0 in range(first_key, end_key, BLOCK_N):
+        k_pos = k0 + n
+        in_seq = k_pos < seq_len
+        block_id = tl.load(table + k_pos // KV_BLOCK, mask=in_seq, other=0).to(tl.int64)
+        kv_off = block_id * stride_cb + (k_pos % KV_BLOCK) * stride_cs + kv_head * stride_ch
+        # Slots past seq_len hold stale data: K there is masked out of the scores anyway, but V must
+        # be loaded as 0, as a stale inf or NaN times probability 0 is NaN in P @ V.
+        kv_mask = in_seq[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
         if SLIDING:
             visible &= q_pos[:, None] - k_pos[None, :] < window
         m_i, l_i, acc = _attend_block(q.to(k.dtype), k, v, visible, m_i, l_i, acc, scale_log2)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -638,13 +656,18 @@ def decode_attention_new_token(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache
                                       max_seq_len)
 
 
-def extend_block_m(max_query_len: int, dtype: torch.dtype, capability: tuple[int, int] = (8, 0)) -> int:
-    """Query rows per extend tile: the next power of two of the longest chunk, at least 16 and at
-    most what fits in registers and shared memory for ``dtype`` on a GPU of ``capability``."""
-    cap = EXTEND_MAX_BLOCK_M[dtype]
-    if capability < (8, 0):
-        cap = min(cap, TURING_EXTEND_MAX_BLOCK_M)
-    return min(cap, max(MIN_BLOCK, next_power_of_2(max_query_len)))
+def extend_tile(max_query_len: int, group: int, dtype: torch.dtype,
+                capability: tuple[int, int] = (8, 0)) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_G, BLOCK_N)`` of the extend kernel: ``BLOCK_G`` the GQA group rounded up to a
+    power of two, ``BLOCK_T`` tokens per tile so that the tile's ``BLOCK_T * BLOCK_G`` rows reach
+    (but a short chunk does not pad far past) what fits in registers and shared memory for
+    ``dtype`` on a GPU of ``capability``, at least 16 rows (tl.dot); ``BLOCK_N`` keys per tile."""
+    block_g = next_power_of_2(group)
+    turing = capability < (8, 0)
+    rows = TURING_EXTEND_ROWS if turing else EXTEND_ROWS[dtype]
+    block_t = max(1, rows // block_g)
+    block_t = max(min(block_t, next_power_of_2(max_query_len)), -(-MIN_BLOCK // block_g))
+    return block_t, block_g, TURING_EXTEND_KEYS if turing else EXTEND_KEYS[dtype]
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -682,17 +705,18 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if query_start_loc.shape != (num_seqs + 1,) or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}] and block_tables [{num_seqs}, max_blocks], got "
                          f"{tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
-    total, num_heads, head_dim = query.shape
+    total, _, head_dim = query.shape
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if total == 0:
         return out
-    block_m = extend_block_m(max_query_len, query.dtype, _capability(query.device))
-    grid = (num_seqs, num_heads, math.ceil(max_query_len / block_m))
+    block_t, block_g, block_n = extend_tile(max_query_len, group, query.dtype, _capability(query.device))
+    num_kv_heads = k_cache.shape[2]
+    grid = (num_seqs, num_kv_heads, math.ceil(max_query_len / block_t))
     _extend_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E, window,
         query.stride(0), query.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding,
-        BLOCK_M=block_m, BLOCK_D=_block_d(head_dim), BLOCK_N=k_cache.shape[1], num_warps=EXTEND_NUM_WARPS,
+        GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding, BLOCK_T=block_t, BLOCK_G=block_g,
+        BLOCK_D=_block_d(head_dim), BLOCK_N=block_n, KV_BLOCK=k_cache.shape[1], num_warps=EXTEND_NUM_WARPS,
     )
     return out
