@@ -38,33 +38,30 @@ class DecodeInputs:
         self.device = device
         self.buckets = buckets
         pin = device.type == "cuda"
-        # Two buffers, so that a GPU step copies twice, not once per input: the per-row scalars
-        # (ids, positions and slots int64, then the int32 lengths in the int64 words after them),
-        # copied whole (a few KB), and the block tables, copied for the step's rows.
+        # One buffer, so that a GPU step copies its inputs once: the per-row scalars first (ids,
+        # positions and slots int64, then the int32 lengths in the int64 words after them), then
+        # the block tables row by row; a step copies the scalars and its rows' tables, one prefix.
         rows = max_rows
-        self._scalars = torch.zeros(3 * rows + -(-rows // 2), dtype=torch.long, pin_memory=pin)
-        self._tables = torch.zeros(rows, max_blocks, dtype=torch.long, pin_memory=pin)
-        self._host = self._fields(self._scalars, self._tables)
+        self._scalar_words = 3 * rows + -(-rows // 2)
+        self._buffer = torch.zeros(self._scalar_words + rows * max_blocks, dtype=torch.long, pin_memory=pin)
+        self._host = self._fields(self._buffer)
         self._np = {name: t.numpy() for name, t in self._host.items()}
-        if device.type == "cpu":
-            self._dev_scalars, self._dev_tables, self._dev = self._scalars, self._tables, self._host
-        else:
-            self._dev_scalars = torch.zeros_like(self._scalars, device=device)
-            self._dev_tables = torch.zeros_like(self._tables, device=device)
-            self._dev = self._fields(self._dev_scalars, self._dev_tables)
+        self._dev_buffer = self._buffer if device.type == "cpu" else torch.zeros_like(self._buffer, device=device)
+        self._dev = self._host if device.type == "cpu" else self._fields(self._dev_buffer)
         # a decode step's query_start_loc is 0, 1, ..., rows: one constant for every step
         self._query_start = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, AttentionMetadata]] = {}
 
-    def _fields(self, scalars: torch.Tensor, tables: torch.Tensor) -> dict[str, torch.Tensor]:
-        rows = self.max_rows
-        return {"ids": scalars[:rows], "positions": scalars[rows:2 * rows], "slots": scalars[2 * rows:3 * rows],
-                "seq_lens": scalars[3 * rows:].view(torch.int32)[:rows], "tables": tables}
+    def _fields(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, words = self.max_rows, self._scalar_words
+        return {"ids": buffer[:rows], "positions": buffer[rows:2 * rows], "slots": buffer[2 * rows:3 * rows],
+                "seq_lens": buffer[3 * rows:words].view(torch.int32)[:rows],
+                "tables": buffer[words:].view(rows, self.max_blocks)}
 
     @property
     def num_buffers(self) -> int:
         """The host buffers; on a GPU :meth:`fill` copies each to the device once per step."""
-        return 2
+        return 1
 
     def rows_for(self, num_seqs: int) -> int:
         """Rows a step of ``num_seqs`` sequences runs: itself, or its bucket."""
@@ -93,8 +90,8 @@ class DecodeInputs:
         if rows > n:
             ids[n:rows], pos[n:rows], slots[n:rows], lens[n:rows], tables[n:rows, 0] = 0, 0, PAD_SLOT, 1, 0
         if self.device.type != "cpu":
-            self._dev_scalars.copy_(self._scalars, non_blocking=True)
-            self._dev_tables[:rows].copy_(self._tables[:rows], non_blocking=True)
+            used = self._scalar_words + rows * self.max_blocks
+            self._dev_buffer[:used].copy_(self._buffer[:used], non_blocking=True)
         input_ids, positions, meta = self.views(rows)
         # the host side of the metadata, for the paths that read it (a captured graph does not)
         meta.seq_lens = lens[:rows].tolist()
