@@ -161,6 +161,21 @@ def _inv_rms(x_ptr, rows, mask_m, stride_xm, K, eps, BLOCK_M: tl.constexpr, NORM
 
 
 @triton.jit
+def _gemv_rows(x_ptr, M, stride_xm, K, eps, BLOCK_M: tl.constexpr, PROLOGUE: tl.constexpr,
+               NORM_BLOCK: tl.constexpr):
+    """A GEMV program's rows of x, their mask, and with the norm prologue their ``1 / rms`` as
+    :func:`_x_values` takes it: a scalar for one row, a column ``[BLOCK_M, 1]`` for several."""
+    rows = tl.arange(0, BLOCK_M)
+    mask_m = rows < M
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        inv_rms = _inv_rms(x_ptr, rows, mask_m, stride_xm, K, eps, BLOCK_M, NORM_BLOCK)
+    if BLOCK_M == 1:
+        return rows, mask_m, tl.sum(inv_rms, axis=0)
+    return rows, mask_m, inv_rms[:, None]
+
+
+@triton.jit
 def _x_values(x_ptr, offs, k, mask, inv_rms, norm_w_ptr, K, PROLOGUE: tl.constexpr):
     """x at ``offs`` (element ``k`` of its row) after the prologue, in x's dtype, rounded step by step
     as the unfused kernels (llmd.kernels.norm_act_triton) round: ``weight * norm(x)`` with the norm
@@ -204,18 +219,12 @@ def _int4_gemv_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, part_ptr
     offs_g = tl.arange(0, NG)
     tile_byte = offs_g[:, None] * GH + tl.arange(0, GH)[None, :]  # [NG, GH]: 0 .. BLOCK_KH - 1
     w_ptrs = packed_ptr + offs_n[:, None, None] * stride_wn + tile_byte[None, :, :]
-    rows = tl.arange(0, BLOCK_M)
-    mask_m = rows < M
+    rows, mask_m, row_rms = _gemv_rows(x_ptr, M, stride_xm, K, eps, BLOCK_M, PROLOGUE, NORM_BLOCK)
     x_dtype = x_ptr.dtype.element_ty
-    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PROLOGUE == 1:
-        inv_rms = _inv_rms(x_ptr, rows, mask_m, stride_xm, K, eps, BLOCK_M, NORM_BLOCK)
     if BLOCK_M == 1:
         acc3 = tl.zeros((BLOCK_N, NG, GH), dtype=tl.float32)  # summed once, after the loop
-        row_rms = tl.sum(inv_rms, axis=0)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        row_rms = inv_rms[:, None]
     # This program's share of the K tiles (split-K: SPLIT programs per column block).
     for it in range(split * K_ITERS // SPLIT, (split + 1) * K_ITERS // SPLIT):
         k0 = it * BLOCK_K
@@ -356,18 +365,12 @@ def _int8_gemv_kernel(x_ptr, q_ptr, scales_ptr, out_ptr, part_ptr, count_ptr, no
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, BLOCK_M)
-    mask_m = rows < M
+    rows, mask_m, row_rms = _gemv_rows(x_ptr, M, stride_xm, K, eps, BLOCK_M, PROLOGUE, NORM_BLOCK)
     x_dtype = x_ptr.dtype.element_ty
-    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PROLOGUE == 1:
-        inv_rms = _inv_rms(x_ptr, rows, mask_m, stride_xm, K, eps, BLOCK_M, NORM_BLOCK)
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # summed once, after the loop
-        row_rms = tl.sum(inv_rms, axis=0)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        row_rms = inv_rms[:, None]
     for it in range(split * K_ITERS // SPLIT, (split + 1) * K_ITERS // SPLIT):
         k = it * BLOCK_K + offs_k
         mask_k = k < K

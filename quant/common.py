@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +45,21 @@ class QuantizedLinear(nn.Module):
     out_features: int
 
     def load_rows(self, start: int, weight: Any) -> None:
+        raise NotImplementedError
+
+    def bind_fused(self, dtype: torch.dtype, *, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
+                   add_residual: bool = False) -> Callable[..., torch.Tensor]:
+        """This layer on the Triton matmuls with the decode step's fusions fixed (llmd.kernels.
+        decode_triton), for activations of ``dtype``: an RMSNorm (``norm=(weight, eps)``) or
+        ``SiLU(gate) * up`` (``silu``) applied to x first, the bias added, and with ``add_residual``
+        the result added into the ``residual`` the call takes (in place). The ``triton`` path only."""
+        if getattr(self, "cpu_path", None) != "triton":
+            raise RuntimeError(f"bind_fused() takes the Triton path; this layer is on {self.cpu_path!r}")
+        return self._fused_matmul(dtype, norm=norm, silu=silu, bias=getattr(self, "bias", None),
+                                  add_residual=add_residual)
+
+    def _fused_matmul(self, dtype: torch.dtype, **fusions: Any) -> Callable[..., torch.Tensor]:
+        """llmd.kernels.quant_matmul_triton's FusedMatmul of this layer's weight."""
         raise NotImplementedError
 
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -127,17 +128,10 @@ class Int8Linear(QuantizedLinear):
 
         return int8_matmul(x, self.qweight, self.scales, self.group_size)
 
-    def bind_fused(self, dtype: torch.dtype, *, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
-                   add_residual: bool = False) -> Callable[..., torch.Tensor]:
-        """This layer on the Triton matmuls with the decode step's fusions fixed (llmd.kernels.
-        decode_triton), for activations of ``dtype``: an RMSNorm (``norm=(weight, eps)``) or
-        ``SiLU(gate) * up`` (``silu``) applied to x first, the bias added, and with ``add_residual``
-        the result added into the ``residual`` the call takes (in place). The ``triton`` path only."""
+    def _fused_matmul(self, dtype: torch.dtype, **fusions: Any) -> Callable[..., torch.Tensor]:
         from llmd.kernels.quant_matmul_triton import fused_int8
 
-        if self.cpu_path != "triton":
-            raise RuntimeError(f"bind_fused() takes the Triton path; this layer is on {self.cpu_path!r}")
-        return fused_int8(self.qweight, self.scales, self.group_size, dtype, norm=norm, silu=silu, bias=self.bias, add_residual=add_residual)
+        return fused_int8(self.qweight, self.scales, self.group_size, dtype, **fusions)
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return quant_cpu.int8_mm_cpu(x, self.qweight, self.scales[:, 0])
