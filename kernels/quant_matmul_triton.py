@@ -171,8 +171,10 @@ def _gemv_rows(x_ptr, M, stride_xm, K, eps, BLOCK_M: tl.constexpr, PROLOGUE: tl.
     if PROLOGUE == 1:
         inv_rms = _inv_rms(x_ptr, rows, mask_m, stride_xm, K, eps, BLOCK_M, NORM_BLOCK)
     if BLOCK_M == 1:
-        return rows, mask_m, tl.sum(inv_rms, axis=0)
-    return rows, mask_m, inv_rms[:, None]
+        row_rms = tl.sum(inv_rms, axis=0)
+    else:
+        row_rms = inv_rms[:, None]
+    return rows, mask_m, row_rms
 
 
 @triton.jit
