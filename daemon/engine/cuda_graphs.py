@@ -1,12 +1,15 @@
 """Decode steps replayed as CUDA graphs, one per batch-size bucket (``--cuda-graphs``).
 
-A decode step of the default model launches about a thousand small kernels; replaying a captured
-graph launches them in one call, so the step runs at the GPU's speed instead of the host's. What
+A decode step of the default model launches 150-odd small kernels (llmd.kernels.decode_triton);
+replaying a captured graph launches them in one call, so the step runs at the GPU's speed instead
+of the host's. What
 makes a step capturable: its inputs live in persistent buffers (daemon/engine/decode_inputs.py),
 padded to a bucket of rows (1, 2, 4, ... ``max_num_seqs``), and nothing in the model's forward
 reads host-side state that changes between steps (tests/test_decode_inputs.py checks this on the
 CPU: a step run on buffers refilled for other sequences, with stale host metadata, gives their
-fresh result). The attention's split count is fixed at capture for the longest context.
+fresh result). The attention's split count is fixed at capture for the longest context; the
+split-K scratch and the step's intermediate buffers are allocated in the warm-up runs before the
+capture and never freed (llmd.kernels.launch).
 
 NOTE: never run on a GPU (none was available to this project): README "GPU status". Off by
 default; the Triton attention backend is required (its KV write skips padding rows).
