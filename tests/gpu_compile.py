@@ -9,6 +9,7 @@ unset: there, ``@triton.jit`` makes real JIT functions. The script gets these he
   ``aligned`` names the arguments the runtime sees 16-aligned (pointers from torch's allocator,
   strides that are multiples of 16), which Triton specialises on: the kernel compiled with them is
   the one that runs.
+* ``ARCHS``: the architectures this process compiles for (its share of all five).
 * ``ptxas_report(kernel)``: ptxas's own count of registers per thread and spill bytes, with the
   shared memory, whether global loads are vectorised (``ld.global.v2/v4``) and whether any loads
   single bytes (``ld.global.u8/b8``).
@@ -22,8 +23,12 @@ import sys
 from pathlib import Path
 
 ARCHS = (75, 80, 86, 89, 90)  # Turing, Ampere (A100, RTX 30), Ada (RTX 40), Hopper
+# Compiling is single-threaded: the architectures are shared out between this many processes, each
+# running the whole script over its share (ARCHS inside the script), so both cores work.
+SHARDS = min(2, os.cpu_count() or 1)
 
 PRELUDE = """
+import os
 import re
 import subprocess
 import tempfile
@@ -33,7 +38,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 
-ARCHS = (75, 80, 86, 89, 90)
+_SHARD, _SHARDS = (int(v) for v in os.environ.get("LLMD_COMPILE_SHARD", "0/1").split("/"))
+# this process's share: 75/86/90 and 80/89 with two (sm_80 compiles three dtypes, the others two)
+ARCHS = tuple(arch for i, arch in enumerate((75, 80, 86, 89, 90)) if i % _SHARDS == _SHARD)
 
 
 def compile_for(fn, signature, constexprs, arch=80, aligned=(), num_warps=4):
@@ -66,11 +73,16 @@ def ptxas_report(kernel):
 
 
 def compile_for_gpu(script: str, tmp_path: Path) -> str:
-    """Run ``script`` (which may use the helpers above) in a fresh, non-interpreted process; fail
-    with its stderr if it raises. Returns what it printed."""
+    """Run ``script`` (which may use the helpers above, and loops over ``ARCHS``) in fresh,
+    non-interpreted processes, each over its share of the architectures; fail with the stderr of
+    one that raises. Returns what they printed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
         "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
-    result = subprocess.run([sys.executable, "-c", PRELUDE + script], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
+    procs = [subprocess.Popen([sys.executable, "-c", PRELUDE + script], cwd=tmp_path,
+                              env=env | {"LLMD_COMPILE_SHARD": f"{shard}/{SHARDS}"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for shard in range(SHARDS)]
+    outs = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (_, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-4000:]
+    return "".join(out for out, _ in outs)
