@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/quant_quality.py [--tokens 4096] [--window 512]
 
 The text is the docstrings of a fixed list of standard-library modules, present on every machine
-(disjoint from the modules llmd.quant.calibrate calibrates INT4 requantisation on). Every row is a
+(disjoint from the modules llmd.daemon.calibration calibrates INT4 requantisation on). Every row is a
 model as llmd loads it (fp32 activations, so the rows compare formats, not kernel rounding):
   fp32 (Q4_1 dequantised)   --quant none: the GGUF's blocks dequantised; the reference
   native Q4_1 blocks        --quant auto: the blocks held as INT4 g32, copied bit for bit
@@ -48,7 +48,7 @@ def requantised(dense, group_size: int, source, calibrated: bool = True):
     """``dense`` with every projection requantised to INT4 ``group_size`` as the loader does for a
     float checkpoint (fitted, calibrated), or by plain min/max."""
     from llmd.daemon.loader import _importance
-    from llmd.quant.apply import PROJECTIONS, QuantConfig, plan_linears, quantize_linears
+    from llmd.daemon.quantization import PROJECTIONS, QuantConfig, plan_linears, quantize_linears
     from llmd.quant.int4 import Int4Linear, quantize_int4
 
     model = copy.deepcopy(dense)
@@ -75,8 +75,8 @@ def main() -> None:
     from llmd.daemon.loader import load_model
     from llmd.daemon.model_source import resolve_model
     from llmd.daemon.tokenizer import load_tokenizer
-    from llmd.quant.apply import QuantConfig
-    from llmd.quant.calibrate import stdlib_docstrings
+    from llmd.daemon.quantization import QuantConfig
+    from llmd.daemon.calibration import stdlib_docstrings
 
     source = resolve_model(None)
 

@@ -20,7 +20,7 @@ from llmd.daemon.progress import progress
 from llmd.daemon.weights.gguf_file import GGUFModelFile
 from llmd.daemon.weights.safetensors_files import find_safetensors_files, iter_safetensors, validate_safetensors
 from llmd.errors import CorruptModelError, InvalidModelError
-from llmd.quant.apply import (BNB_SCHEMES, QuantConfig, calibrated_paths, describe, gguf_blocks_wanted,
+from llmd.daemon.quantization import (BNB_SCHEMES, QuantConfig, calibrated_paths, describe, gguf_blocks_wanted,
                               linear_factory, plan_linears, prepare, quantize_linears, weight_memory)
 
 log = logging.getLogger("llmd")
@@ -56,10 +56,10 @@ def load_config(source: ModelSource) -> ModelConfig:
 
 
 def _importance(model: LlamaForCausalLM, source: ModelSource, paths: list[str]) -> dict[str, torch.Tensor]:
-    """Calibration for INT4 requantisation (llmd.quant.calibrate); none if there is no tokenizer."""
+    """Calibration for INT4 requantisation (llmd.daemon.calibration); none if there is no tokenizer."""
     from llmd.daemon.tokenizer import load_tokenizer
     from llmd.errors import LlmdError
-    from llmd.quant.calibrate import calibration_ids, projection_importance
+    from llmd.daemon.calibration import calibration_ids, projection_importance
 
     start = time.perf_counter()
     try:

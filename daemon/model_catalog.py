@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmd.daemon import hf_cache
 from llmd.daemon.model_source import DEFAULT_MODEL_ALIAS, default_model_path
 from llmd.errors import ModelNotFoundError
 
@@ -60,23 +61,6 @@ def list_local_models(models_dir: str | os.PathLike[str] | None) -> list[LocalMo
     if models_dir is not None:
         models += _models_dir_entries(Path(models_dir).expanduser())
     return models
-
-
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, exactly as ``huggingface_hub`` finds it (``HF_HUB_CACHE``, then
-    ``HF_HOME/hub``, then ``~/.cache/huggingface/hub``). Importing its ``constants`` takes ~3 ms."""
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HUB_CACHE)
-
-
-def cached_snapshot(repo_id: str) -> Path | None:
-    """The local snapshot of ``repo_id`` (``org/name``): the one ``refs/main`` names, else the newest.
-
-    Returns:
-        The snapshot directory, or ``None`` if the repo is not in the cache. Never downloads.
-    """
-    return _snapshot_of(hf_cache_dir() / ("models--" + repo_id.replace("/", "--")))
 
 
 def render_table(models: list[LocalModel], models_dir: str | os.PathLike[str] | None = None) -> str:
@@ -121,28 +105,13 @@ def human_size(num_bytes: int) -> str:
     return f"{size:.1f} {unit}" if size < 10 and unit != "B" else f"{size:.0f} {unit}"
 
 
-def _snapshot_of(repo: Path) -> Path | None:
-    snapshots = repo / "snapshots"
-    try:
-        ref = (repo / "refs" / "main").read_text().strip()
-    except OSError:
-        ref = ""
-    if ref and (snapshots / ref).is_dir():
-        return snapshots / ref
-    try:
-        candidates = [p for p in snapshots.iterdir() if p.is_dir()]
-    except OSError:
-        return None
-    return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
-
-
 def _hf_cache_entries() -> list[LocalModel]:
     models = []
-    for repo in sorted(hf_cache_dir().glob("models--*")):
-        snapshot = _snapshot_of(repo)
+    for repo in hf_cache.repo_dirs():
+        snapshot = hf_cache.snapshot_of(repo)
         if snapshot is None or not (snapshot / "config.json").is_file() or not any(snapshot.glob("*.safetensors")):
             continue  # NOTE: llmd reads only safetensors (or GGUF); other repos cannot be served
-        models.append(_hf_dir_entry(repo.name.removeprefix("models--").replace("--", "/"), "hf-cache", snapshot))
+        models.append(_hf_dir_entry(hf_cache.repo_id(repo), "hf-cache", snapshot))
     return models
 
 

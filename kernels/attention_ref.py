@@ -3,7 +3,7 @@
 These are the ground truth for the Triton kernels and the CPU path until faster ones exist. They
 favour clarity over speed: one SDPA call per sequence, no fusion.
 
-Cache layout per layer (DESIGN.md): ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V.
+Cache layout per layer (docs/architecture.md): ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V.
 A token's *slot* is ``block_id * block_size + offset``.
 """
 

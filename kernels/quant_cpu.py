@@ -21,17 +21,11 @@ import os
 import threading
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
-
 import torch
 
 from llmd.kernels import cpu_profile
+from llmd.kernels.int_layout import Int4Tensors, Int8Tensors, pack_int4, unpack_int4
 from llmd.kernels.native import library
-from llmd.quant.common import pack_int4, unpack_int4
-
-if TYPE_CHECKING:  # llmd.quant imports this module
-    from llmd.quant.int4 import Int4Weight
-    from llmd.quant.int8 import Int8Weight
 
 QK = 32  # activations are quantised per block of this many inputs
 Q4X8, Q8X8 = 1, 2  # the C's enum llmd_weight_kind
@@ -155,13 +149,13 @@ class PackedWeight:
     mins: torch.Tensor | None
 
     @classmethod
-    def from_int4(cls, qw: Int4Weight) -> PackedWeight:
-        n, k = qw.shape
+    def from_int4(cls, qw: Int4Tensors) -> PackedWeight:
+        n, k = qw.packed.shape[0], 2 * qw.packed.shape[1]
         return cls(Q4X8, n, k, qw.group_size, *repack_q4x8(qw.packed, qw.scales, qw.mins))
 
     @classmethod
-    def from_int8(cls, qw: Int8Weight) -> PackedWeight:
-        n, k = qw.shape
+    def from_int8(cls, qw: Int8Tensors) -> PackedWeight:
+        n, k = qw.qweight.shape
         return cls(Q8X8, n, k, qw.group_size, *repack_q8x8(qw.qweight, qw.scales), None)
 
     @property
@@ -221,7 +215,7 @@ def packed_kernels_pay(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and cpu_profile.has_fast_bf16()
 
 
-def pack_int4_for_cpu(qw: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4_for_cpu(qw: Int4Tensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Our INT4 layout -> torch's CPU int4pack and its ``[K/g, N, 2]`` scales-and-zeros.
 
     torch dequantises ``(q - 8) * scale + zero``; ours is ``q * scale + min``, so

@@ -1,7 +1,7 @@
 """Triton matmuls that dequantise INT4 / INT8 weights on the fly: ``y = x @ W^T``.
 
-The weights stay in the formats of ``llmd.quant`` (``int4.py``, ``int8.py``); each weight tile is
-dequantised in registers (``w = q * scale + min`` for INT4, ``w = q * scale`` for INT8, in fp32)
+The weights stay in the layouts of ``llmd.kernels.int_layout`` (llmd.quant's formats); each weight
+tile is dequantised in registers (``w = q * scale + min`` for INT4, ``w = q * scale`` for INT8, in fp32)
 and multiplied with fp32 accumulation. Three paths per format:
 
 * INT4 GEMV (decode, ``M <= GEMV_MAX_M``): every row in one program, which reads each weight tile
@@ -52,9 +52,7 @@ import triton
 import triton.language as tl
 
 from llmd.kernels.launch import arrival_counters, cdiv, next_power_of_2, workspace
-from llmd.quant.int4 import GROUP_SIZES as INT4_GROUP_SIZES
-from llmd.quant.int4 import Int4Weight, dequantize_int4
-from llmd.quant.int8 import Int8Weight, dequantize_int8
+from llmd.kernels.int_layout import INT4_GROUP_SIZES, dequantize_int4, dequantize_int8
 
 KernelPath = Literal["gemv", "gemm", "dense"]
 
@@ -535,9 +533,7 @@ class _QWeight:
     def dequantize(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` in fp32."""
         t = [x[start:stop] for x in self.tensors]
-        if self.kind == "int4":
-            return dequantize_int4(Int4Weight(*t, self.group_size))
-        return dequantize_int8(Int8Weight(*t, self.group_size))
+        return (dequantize_int4 if self.kind == "int4" else dequantize_int8)(*t, self.group_size)
 
     def _k_tile(self, max_block_k: int) -> int:
         """INT8: the K tile in one group (per channel: any K, masked)."""

@@ -23,7 +23,7 @@ __all__ = ["AsyncClient", "Client", "LLM", "SamplingParams", "__version__"]
 _LAZY = {
     "Client": "llmd.client",
     "AsyncClient": "llmd.client",
-    "LLM": "llmd.daemon.engine.llm",
+    "LLM": "llmd.daemon.llm",
     "SamplingParams": "llmd.daemon.engine.sampling_params",
 }
 

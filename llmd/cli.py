@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmd import __version__, service
+from llmd.config import QUANT_SCHEMES
 from llmd.errors import LlmdError
 from llmd.kernels import cpu_profile
 from llmd.paths import process_state
 from llmd.protocol import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS
-from llmd.quant import QUANT_SCHEMES
 
 if TYPE_CHECKING:
     from llmd.config import Settings
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_quant(quant: str, group_size: int | None) -> None:
-    from llmd.quant.apply import QuantConfig
+    from llmd.daemon.quantization import QuantConfig
 
     try:
         QuantConfig(quant, group_size)
@@ -366,7 +366,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
 def _generate_in_process(args: argparse.Namespace, settings: Settings, prompt: str) -> int:
     import torch
 
-    from llmd.daemon.engine.llm import LLM
+    from llmd.daemon.llm import LLM
     from llmd.daemon.engine.sampling_params import SamplingParams
     from llmd.daemon.tokenizer import encode_prompt
 
@@ -492,7 +492,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_llm(args: argparse.Namespace) -> Any:
     """``llmd bench --in-process``: the engine in this process, with the daemon's engine defaults
     (max_num_seqs 64, 512 batched tokens) so the two compare."""
-    from llmd.daemon.engine.llm import LLM
+    from llmd.daemon.llm import LLM
 
     try:
         settings = _settings(args)
@@ -519,7 +519,8 @@ def _bench_perplexity(args: argparse.Namespace, text: str, llm: Any, connection:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from llmd.paths import read_connection_file, runtime_dir
+    from llmd.config import runtime_dir
+    from llmd.paths import read_connection_file
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise LlmdError("llmd chat needs a terminal; for one answer without it use `llmd generate PROMPT`")
@@ -560,7 +561,8 @@ def _start_background(args: argparse.Namespace, settings: Settings | None = None
 
     from llmd.client import Client, DaemonNotRunningError, load_connection
     from llmd.config import OPTIONS
-    from llmd.paths import log_file, read_connection_file, runtime_dir
+    from llmd.config import runtime_dir
+    from llmd.paths import log_file, read_connection_file
 
     settings = settings or _settings(args)
     run_dir = runtime_dir(settings["socket_dir"])
@@ -731,7 +733,7 @@ def _remove_leftovers(run_dir: Path) -> bool:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from llmd.client import SILENCE_TIMEOUT_S, Client, DaemonNotRunningError
-    from llmd.paths import runtime_dir
+    from llmd.config import runtime_dir
 
     run_dir = runtime_dir(args.socket_dir, create=False)
     connection = _running_daemon(run_dir)
@@ -796,7 +798,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     import shutil
 
     from llmd.logs import follow, last_lines
-    from llmd.paths import log_file, read_connection_file, runtime_dir
+    from llmd.config import runtime_dir
+    from llmd.paths import log_file, read_connection_file
 
     running = read_connection_file(runtime_dir(args.socket_dir, create=False))
     if running is not None and "log_file" in running and running["log_file"] is None:
@@ -845,7 +848,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from llmd.bench import kernels_line
     from llmd.client import Client, DaemonNotRunningError
-    from llmd.paths import runtime_dir
+    from llmd.config import runtime_dir
 
     run_dir = runtime_dir(args.socket_dir, create=False)
     connection = _running_daemon(run_dir)

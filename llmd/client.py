@@ -24,7 +24,8 @@ import zmq
 import zmq.asyncio
 
 from llmd.errors import LlmdError
-from llmd.paths import process_alive, read_connection_file, runtime_dir
+from llmd.config import runtime_dir
+from llmd.paths import process_alive, read_connection_file
 from llmd.protocol import MAX_MESSAGE_BYTES, REPLY_TYPES, Message, ProtocolError, decode, encode, new_msg_id
 
 SILENCE_TIMEOUT_S = 15.0  # the daemon writes at least every second while a request is in flight

@@ -27,10 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from llmd.errors import LlmdError
+from llmd import paths
 from llmd.paths import config_dir, default_models_dir
-from llmd.quant import QUANT_SCHEMES
 
 CONFIG_ENV = "LLMD_CONFIG"
+# What --quant takes (llmd.daemon.quantization builds each; the names live here, torch-free, so the
+# CLI and the config file can check them without importing the runtime).
+QUANT_SCHEMES = ("auto", "none", "int8", "int4", "nf4", "bnb-int8")
 
 
 class ConfigError(LlmdError):
@@ -285,6 +288,17 @@ def setting(name: str) -> Any:
     """One setting from the environment, else the config file, else its default (for code without
     flags, e.g. clients looking for the socket dir)."""
     return resolve({}).values[name]
+
+
+def runtime_dir(override: str | os.PathLike[str] | None = None, create: bool = True) -> Path:
+    """llmd.paths.runtime_dir with the config file's (or ``$LLMD_SOCKET_DIR``'s) ``socket_dir`` in
+    its order: ``--socket-dir``, ``$LLMD_RUNTIME_DIR``, the setting, ``$XDG_RUNTIME_DIR/llmd``,
+    ``/tmp/llmd-<uid>``.
+
+    Raises:
+        LlmdError: a directory that is not private to us; a bad config file (ConfigError).
+    """
+    return paths.runtime_dir(override, create, configured=lambda: setting("socket_dir"))
 
 
 def models_dir() -> Path:

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +19,24 @@ LOCK_FILE = "daemon.lock"
 MAX_CONNECTION_FILE_BYTES = 64 * 1024  # far more than a real one; a planted huge file is not read whole
 
 
-def runtime_dir(override: str | os.PathLike[str] | None = None, create: bool = True) -> Path:
+def runtime_dir(override: str | os.PathLike[str] | None = None, create: bool = True,
+                configured: Callable[[], str | None] | None = None) -> Path:
     """The per-user runtime directory, created 0700 and checked to be ours.
 
-    Order: ``override`` (``--socket-dir``), ``$LLMD_RUNTIME_DIR``, ``socket_dir`` of the config file,
+    Order: ``override`` (``--socket-dir``), ``$LLMD_RUNTIME_DIR``, what ``configured`` returns (the
+    config file's ``socket_dir``: llmd.config.runtime_dir passes it; asked only when it decides),
     ``$XDG_RUNTIME_DIR/llmd``, then ``/tmp/llmd-<uid>``.
 
     Raises:
-        LlmdError: the directory exists but belongs to someone else or is open to others; the
-            config file is bad (llmd.config.ConfigError).
+        LlmdError: the directory exists but belongs to someone else or is open to others; what
+            ``configured`` raises (a bad config file: llmd.config.ConfigError).
     """
-    from llmd.config import setting  # NOTE: here, not at the top: llmd.config imports this module
-
     if override is not None:
         path = Path(override).expanduser()
     elif os.environ.get("LLMD_RUNTIME_DIR"):
         path = Path(os.environ["LLMD_RUNTIME_DIR"]).expanduser()
-    elif (configured := setting("socket_dir")) is not None:
-        path = Path(configured)
+    elif configured is not None and (value := configured()) is not None:
+        path = Path(value)
     elif os.environ.get("XDG_RUNTIME_DIR"):
         path = Path(os.environ["XDG_RUNTIME_DIR"]) / "llmd"
     else:

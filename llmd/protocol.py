@@ -31,6 +31,14 @@ MAX_FRAMES = 8  # more than any message has (4, plus the identity and the stats 
 # again now (the daemon remembers the signatures it saw for as long as they would be accepted).
 REPLAY_WINDOW_S = 60.0
 
+# The stats message's ``block_map``: one byte per KV block (docs/protocol.md, Stats).
+BLOCK_FREE = 0  # empty, or its prefix was evicted
+BLOCK_CACHED = 1  # free, but holding a reusable prefix
+BLOCK_SHARED = 2  # in use by more than one request (a prefix-cache hit in flight)
+BLOCK_FIRST_OWNER = 3  # 3 + i: in use by requests[i]
+BLOCK_OTHER = 255  # in use by a request past the rows the codes can name
+MAX_OWNER_ROWS = BLOCK_OTHER - BLOCK_FIRST_OWNER  # 252
+
 REQUEST_TYPES = ("generate", "cancel", "stats", "info", "tokenize", "health", "ping", "shutdown")
 REPLY_TYPES = ("accepted", "delta", "done", "error", "stats", "info", "tokens", "health", "pong", "shutdown",
                "keepalive")

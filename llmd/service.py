@@ -16,6 +16,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from llmd import paths
+from llmd.config import runtime_dir
 from llmd.errors import LlmdError
 
 UNIT_NAME = "llmd.service"
@@ -116,7 +117,7 @@ def _write_then(path: Path, text: str, steps: Callable[[], None]) -> None:
 def _manual_daemon_warning(is_service_pid: Callable[[int], bool]) -> str | None:
     """A warning if a daemon is already running that the service manager did not start."""
     try:
-        info = paths.read_connection_file(paths.runtime_dir(create=False))
+        info = paths.read_connection_file(runtime_dir(create=False))
     except LlmdError:
         return None
     if info is None or is_service_pid(info["pid"]):

@@ -8,21 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Pack values 0..15 two per byte along the last dim: element ``2i`` in the low nibble of byte
-    ``i``, element ``2i + 1`` in the high nibble. The last dim must be even."""
-    if q.shape[-1] % 2:
-        raise ValueError(f"int4 packing needs an even last dimension, got {q.shape[-1]}")
-    q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: ``[..., K/2]`` uint8 -> ``[..., K]`` uint8 values 0..15."""
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)
+from llmd.kernels.int_layout import pack_int4, unpack_int4  # noqa: F401 (the INT4 packing, re-exported)
 
 
 def check_group_size(in_features: int, group_size: int) -> None:

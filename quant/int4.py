@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.kernels import quant_cpu
-from llmd.quant.common import QuantizedLinear, grouped, pack_int4, unpack_int4
+from llmd.kernels import int_layout, quant_cpu
+from llmd.quant.common import QuantizedLinear, grouped, pack_int4
 
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = int_layout.INT4_GROUP_SIZES
 # fp16's smallest normal number: a smaller scale would lose precision to subnormals.
 _MIN_SCALE = 2.0 ** -14
 
@@ -64,8 +64,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128, symmetric: bool =
 
 def dequantize_int4(qw: Int4Weight) -> torch.Tensor:
     """``[N, K]`` fp32 values of ``qw``."""
-    q = grouped(unpack_int4(qw.packed).float(), qw.group_size)
-    return (q * qw.scales.float()[..., None] + qw.mins.float()[..., None]).reshape(qw.shape)
+    return int_layout.dequantize_int4(qw.packed, qw.scales, qw.mins, qw.group_size)
 
 
 class Int4Linear(QuantizedLinear):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.kernels import quant_cpu
+from llmd.kernels import int_layout, quant_cpu
 from llmd.quant.common import QuantizedLinear, check_group_size, grouped
 
 _MIN_SCALE = 2.0 ** -14  # fp16's smallest normal number
@@ -48,8 +48,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
 
 def dequantize_int8(qw: Int8Weight) -> torch.Tensor:
     """``[N, K]`` fp32 values of ``qw``."""
-    q = grouped(qw.qweight.float(), qw.group_size)
-    return (q * qw.scales.float()[..., None]).reshape(qw.shape)
+    return int_layout.dequantize_int8(qw.qweight, qw.scales, qw.group_size)
 
 
 class Int8Linear(QuantizedLinear):

@@ -136,7 +136,7 @@ def test_a_bad_flag_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_socket_dir_of_the_file_is_where_clients_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmd.paths import runtime_dir
+    from llmd.config import runtime_dir
 
     monkeypatch.delenv("LLMD_RUNTIME_DIR", raising=False)
     write_config(f'socket_dir = "{tmp_path / "sock"}"\n')

@@ -23,7 +23,7 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
-from llmd.quant.apply import QuantConfig
+from llmd.daemon.quantization import QuantConfig
 
 pytestmark = pytest.mark.slow
 

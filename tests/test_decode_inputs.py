@@ -19,7 +19,7 @@ from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.daemon.models.layer_ops import TritonLayerOps
 from llmd.kernels import native
-from llmd.quant.apply import QuantConfig
+from llmd.daemon.quantization import QuantConfig
 
 BLOCK = 16
 NUM_BLOCKS = 24

@@ -18,7 +18,7 @@ from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.kernels import native
-from llmd.quant.apply import QuantConfig
+from llmd.daemon.quantization import QuantConfig
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 

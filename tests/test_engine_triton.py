@@ -102,7 +102,7 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     qwen2: GQA, qkv bias, tied head; 4 requests, two sharing a prefix (the interpreter is slow)."""
     from llmd.daemon.models.layer_ops import TorchLayerOps, TritonLayerOps
     from llmd.kernels.decode_triton import DecodeStep
-    from llmd.quant.apply import QuantConfig
+    from llmd.daemon.quantization import QuantConfig
 
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
     requests = make_requests(seed=3)[:4]
@@ -152,7 +152,7 @@ def test_the_warm_up_launches_every_kernel_variant_serving_does(tmp_path: Path) 
     launches no kernel variant the warm-up did not (a GPU compiles each variant at its first
     launch). Recorded, not run: the variants, not the values, are the point."""
     from llmd.daemon.models.layer_ops import TritonLayerOps
-    from llmd.quant.apply import QuantConfig
+    from llmd.daemon.quantization import QuantConfig
 
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
     engine = make_engine(model_dir, attention=TorchAttentionBackend(), quant=QuantConfig("int4", 32),
@@ -177,7 +177,7 @@ def test_the_checkpoints_q8_head_on_the_triton_path(tmp_path: Path) -> None:
     from llmd.daemon.loader import load_model
     from llmd.daemon.model_source import resolve_model
     from llmd.kernels.quant_matmul_triton import FusedMatmul
-    from llmd.quant.apply import QuantConfig
+    from llmd.daemon.quantization import QuantConfig
 
     path = write_llama_gguf(make_hf_model("llama"), tmp_path / "q8.gguf", quantize_type="Q8_0")
     model = load_model(resolve_model(path), quant=QuantConfig("auto")).model

@@ -18,7 +18,7 @@ from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.daemon.weights.gguf_file import hf_name, unpermute_qk
-from llmd.quant.apply import PROJECTIONS, QuantConfig, weight_memory
+from llmd.daemon.quantization import PROJECTIONS, QuantConfig, weight_memory
 from llmd.quant.gguf_import import import_q4_0, import_q8_0
 from llmd.quant.int4 import Int4Linear, dequantize_int4
 from llmd.quant.int8 import Int8Linear, dequantize_int8

@@ -16,7 +16,7 @@ from llmd.daemon.generate import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.quant import bnb
-from llmd.quant.apply import PROJECTIONS, QuantConfig, quantize_linears
+from llmd.daemon.quantization import PROJECTIONS, QuantConfig, quantize_linears
 from llmd.quant.bnb import bnb_linear, bnb_unsupported_reason, bnb_weight_bytes
 
 # Relative error of y = x W^T + b against the dense product, for random Gaussian W and x: NF4's

@@ -12,7 +12,7 @@ from tiny_models import make_hf_model, save_hf_model
 
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
-from llmd.quant.apply import QuantConfig
+from llmd.daemon.quantization import QuantConfig
 from llmd.quant.common import grouped
 from llmd.quant.gguf_import import import_q4_1
 from llmd.quant.int4 import dequantize_int4, quantize_int4

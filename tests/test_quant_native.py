@@ -13,7 +13,7 @@ from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.kernels import native
 from llmd.kernels.cpu_profile import has_fast_bf16
-from llmd.quant.apply import HEAD_Q8, PROJECTIONS, QuantConfig, weight_memory
+from llmd.daemon.quantization import HEAD_Q8, PROJECTIONS, QuantConfig, weight_memory
 from llmd.quant.int4 import Int4Linear
 
 pytestmark = pytest.mark.slow

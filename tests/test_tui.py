@@ -11,7 +11,7 @@ import pytest
 from fake_chat_client import FakeClient, request_row, stats_message
 
 from llmd.client import ServerError
-from llmd.daemon.engine.live_view import BLOCK_CACHED, BLOCK_FIRST_OWNER
+from llmd.protocol import BLOCK_CACHED, BLOCK_FIRST_OWNER
 from llmd.tui.app import INTERACTIVE_PRIORITY, ChatApp
 from llmd.tui.chat_view import ChatMessage, PromptInput
 from llmd.tui.conversation import ChatSettings, Conversation, ConversationStore

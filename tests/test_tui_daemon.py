@@ -11,7 +11,7 @@ from daemon_helpers import daemon_env, start_daemon, stop_daemon
 from tiny_models import make_hf_model, save_hf_model
 
 from llmd.client import AsyncClient
-from llmd.daemon.engine.live_view import BLOCK_CACHED
+from llmd.protocol import BLOCK_CACHED
 from llmd.tui.app import ChatApp
 from llmd.tui.chat_view import ChatMessage, PromptInput
 from llmd.tui.conversation import ChatSettings, ConversationStore

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fake_chat_client import FakeClient, request_row, stats_message
 
-from llmd.daemon.engine.live_view import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_SHARED
+from llmd.protocol import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_SHARED
 from llmd.tui.app import ChatApp
 from llmd.tui.conversation import Conversation, ConversationStore
 from llmd.tui.dashboard import Dashboard

@@ -12,7 +12,7 @@ from textual.containers import Horizontal, Vertical
 from rich.text import Text
 from textual.widgets import Sparkline, Static
 
-from llmd.daemon.engine.live_view import BLOCK_FIRST_OWNER
+from llmd.protocol import BLOCK_FIRST_OWNER
 from llmd.tui.kv_map import KVMap
 
 HISTORY = 240  # stats messages kept for the sparklines: a minute at the daemon's 4 per second

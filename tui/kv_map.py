@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from llmd.daemon.engine.live_view import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_FREE, BLOCK_OTHER, BLOCK_SHARED
+from llmd.protocol import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_FREE, BLOCK_OTHER, BLOCK_SHARED
 
 # Requests cycle through these; this chat's own request is always OWN.
 REQUEST_COLOURS = ("#5f87d7", "#d7875f", "#87af5f", "#af5faf", "#5fafaf", "#d7af5f", "#8787d7", "#d75f87")

@@ -1,7 +1,8 @@
 """What the engine is doing right now, compactly, for `llmd chat`'s dashboard: the state of every KV
 block and a row per running or waiting request.
 
-The block map is one byte per block, so a pool of 3,000 blocks costs 3 kB per stats message:
+The block map is one byte per block (its codes are wire format: llmd.protocol), so a pool of
+3,000 blocks costs 3 kB per stats message:
 
     0 free          empty, or its prefix was evicted
     1 cached        free, but holding a reusable prefix (a later request with that prefix skips it)
@@ -21,13 +22,7 @@ from typing import Any
 
 from llmd.daemon.engine.block_pool import BlockPool
 from llmd.daemon.engine.sequence import Sequence
-
-BLOCK_FREE = 0
-BLOCK_CACHED = 1
-BLOCK_SHARED = 2
-BLOCK_FIRST_OWNER = 3
-BLOCK_OTHER = 255
-MAX_OWNER_ROWS = BLOCK_OTHER - BLOCK_FIRST_OWNER  # 252
+from llmd.protocol import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_FREE, BLOCK_OTHER, BLOCK_SHARED, MAX_OWNER_ROWS
 
 
 @dataclass(slots=True, frozen=True)

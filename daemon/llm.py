@@ -46,7 +46,7 @@ class LLM:
         from llmd.daemon.loader import load_model
         from llmd.daemon.model_source import resolve_model
         from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
-        from llmd.quant.apply import QuantConfig
+        from llmd.daemon.quantization import QuantConfig
 
         source = resolve_model(model)
         config = EngineConfig(**engine_config)  # validate before the slow part

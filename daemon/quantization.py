@@ -23,7 +23,7 @@ from torch import nn
 
 from llmd.daemon.config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, dense_linear
-from llmd.quant import QUANT_SCHEMES
+from llmd.config import QUANT_SCHEMES
 from llmd.quant.bnb import BNB_SCHEMES, bnb_linear, bnb_unsupported_reason
 from llmd.quant.int4 import Int4Linear
 from llmd.quant.int8 import Int8Linear
@@ -181,7 +181,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, plan: Mapping[str, Li
     """Replace a loaded model's dense projections with quantised ones, in place.
 
     INT4 groups are fitted (:func:`llmd.quant.int4_fit.quantize_int4_fitted`), weighted by
-    ``importance[path]`` (mean squared input per feature, :mod:`llmd.quant.calibrate`) where given.
+    ``importance[path]`` (mean squared input per feature, :mod:`llmd.daemon.calibration`) where given.
     """
     from llmd.quant.int4_fit import quantize_int4_fitted
 
