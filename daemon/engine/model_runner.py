@@ -3,9 +3,8 @@
 Inputs, per docs/architecture.md (engine contracts): ``input_ids[T]``, ``positions[T]``,
 ``slot_mapping[T]``, and per sequence ``query_lens``, ``seq_lens`` and ``block_tables``. No padding
 to a rectangle: prompt chunks and decode tokens of different sequences sit side by side. Logits
-are computed only for the last
-token of each sequence that samples in this step, and for the prompt rows of requests that asked
-for their prompt's log-probabilities.
+are computed only for the last token of each sequence that samples in this step, and for the
+prompt rows of requests that asked for their prompt's log-probabilities.
 """
 
 from __future__ import annotations
