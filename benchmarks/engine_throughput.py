@@ -85,11 +85,11 @@ def main() -> None:
     from llmd import LLM
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.max_tokens} new tokens per "
-          f"stream, max_num_batched_tokens {args.max_batched_tokens}")
+          f"stream, max_batched_tokens {args.max_batched_tokens}")
     rows = []
     for dtype in args.dtype:
         for quant in args.quant:
-            llm = LLM(max_num_batched_tokens=args.max_batched_tokens, dtype=dtype, quant=quant)
+            llm = LLM(max_batched_tokens=args.max_batched_tokens, dtype=dtype, quant=quant)
             run_llmd(llm, 2, 8)  # warm-up
             name = f"llmd {str(llm.engine.model.dtype).removeprefix('torch.')}" + ("" if quant == "none" else f" {quant}")
             rows += [(name, run_llmd(llm, n, args.max_tokens)) for n in args.streams]

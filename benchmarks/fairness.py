@@ -122,7 +122,7 @@ def main() -> None:
     per_prompt = -(-(args.long_tokens + args.long_max_tokens) // block_size)
     print(cpu_flags())
     print(f"model {info.get('model')}; max_model_len {info['max_model_len']}; KV pool {num_blocks} blocks of "
-          f"{block_size} ({num_blocks * block_size} tokens); max_num_batched_tokens default")
+          f"{block_size} ({num_blocks * block_size} tokens); max_batched_tokens default")
     print(f"client 1: {args.long_prompts} x {args.long_tokens}-token prompts, max_tokens {args.long_max_tokens}: "
           f"{per_prompt} blocks each, {args.long_prompts * per_prompt} in all; the pool holds "
           f"{num_blocks // per_prompt} at once")

@@ -13,7 +13,6 @@ import os
 from collections.abc import Iterator, Sequence as Seq
 from typing import Any
 
-from llmd.daemon.engine.engine import EngineConfig, LLMEngine
 from llmd.daemon.engine.outputs import RequestDelta, RequestOutput
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.errors import RequestError
@@ -34,31 +33,22 @@ class LLM:
             ``bnb-int8`` for the projections; ``group_size`` 32/64/128 for int4/int8.
         attention: ``auto`` (Triton kernels on CUDA, the native kernel on the CPU), ``torch``, ``cpu`` or
             ``triton``.
-        **engine_config: :class:`EngineConfig` fields (``num_blocks``, ``block_size``,
-            ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
+        **engine_args: the other fields of llmd.daemon.engine_args.EngineArgs (``num_blocks``,
+            ``block_size``, ``max_batched_tokens``, ``prefix_cache``, ``kv_cache_mb``, ...).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, device: str = "auto", dtype: str = "auto",
                  quant: str = "auto", group_size: int | None = None, attention: str = "auto",
-                 **engine_config: Any) -> None:
-        from llmd.daemon.attention import make_attention_backend
-        from llmd.daemon.device import resolve_device, resolve_dtype
-        from llmd.daemon.loader import load_model
-        from llmd.daemon.model_source import resolve_model
-        from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
-        from llmd.daemon.quantization import QuantConfig
+                 **engine_args: Any) -> None:
+        from llmd.daemon.engine_args import EngineArgs
 
-        source = resolve_model(model)
-        config = EngineConfig(**engine_config)  # validate before the slow part
-        self.quant = QuantConfig(quant, group_size)
-        device = resolve_device(device)
-        backend = make_attention_backend(attention, device)
-        loaded = load_model(source, dtype=resolve_dtype(dtype, device), device=device, quant=self.quant,
-                            attention=backend)
-        self.source = source
-        self.tokenizer = load_tokenizer(source)
-        self.engine = LLMEngine(loaded.model, self.tokenizer, config,
-                                eos_token_ids=stop_token_ids(self.tokenizer, loaded.config))
+        args = EngineArgs(model=None if model is None else str(model), device=device, dtype=dtype, quant=quant,
+                          group_size=group_size, attention=attention, **engine_args)
+        runtime = args.build()
+        self.quant = args.quant_config()
+        self.source = runtime.resolved.source
+        self.tokenizer = runtime.tokenizer
+        self.engine = runtime.engine
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -67,12 +57,14 @@ class LLM:
         return list(prompt)
 
     def apply_chat_template(self, messages: Messages) -> list[int]:
-        from llmd.daemon.tokenizer import has_chat_template
+        from llmd.daemon.tokenizer import chat_token_ids, has_chat_template
 
         if not has_chat_template(self.tokenizer):
             raise RequestError("this model has no chat template; use generate() with a plain prompt")
-        return [int(t) for t in self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+        try:
+            return chat_token_ids(self.tokenizer, messages)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -18,6 +18,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from llmd.daemon.tokenizer import chat_token_ids, has_chat_template
 from llmd.protocol import ErrorCode, ProtocolError, parse_messages, parse_prompt, parse_token_ids
 
 # NOTE: a normaliser (NFKC...) can shrink text before tokenising (a 4-byte character becoming one
@@ -82,14 +83,12 @@ class PromptEncoder:
         if "messages" in content:
             messages = parse_messages(content["messages"])
             self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages))
-            if not getattr(self.tokenizer, "chat_template", None):
+            if not has_chat_template(self.tokenizer):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "this model has no chat template; send a prompt")
             try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False)
-            except Exception as e:  # templates raise on e.g. roles that do not alternate
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"the chat template refused these messages: {e}") from None
-            return [int(t) for t in ids]
+                return chat_token_ids(self.tokenizer, messages)
+            except ValueError as e:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
         prompt = parse_prompt(content["prompt"])
         self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
         return [int(t) for t in self.tokenizer.encode(prompt)]

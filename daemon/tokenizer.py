@@ -76,6 +76,21 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of ``messages`` through the model's chat template, the assistant's turn opened
+    (the one place a conversation becomes tokens: the daemon, ``llmd.LLM`` and the CLI call this).
+    The caller checks :func:`has_chat_template` first, for its own message.
+
+    Raises:
+        ValueError: the template refused the messages (e.g. roles that do not alternate).
+    """
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as e:  # templates raise what their authors wrote (jinja2's TemplateError, ...)
+        raise ValueError(f"the chat template refused these messages: {e}") from None
+    return [int(i) for i in ids]
+
+
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool | None = None) -> list[int]:
     """Token ids for ``prompt``: through the chat template when ``chat`` (default: if the model has
     one), else raw text with the tokenizer's usual special tokens."""
@@ -84,8 +99,8 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool | None = None) -> list
     if chat:
         if not has_chat_template(tokenizer):
             raise InvalidModelError("this model has no chat template; use --raw")
-        messages = [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
-        return [int(i) for i in ids]
+        try:
+            return chat_token_ids(tokenizer, [{"role": "user", "content": prompt}])
+        except ValueError as e:
+            raise InvalidModelError(str(e)) from None
     return [int(i) for i in tokenizer.encode(prompt)]

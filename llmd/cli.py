@@ -8,6 +8,7 @@ the subcommands so ``llmd --help`` and ``llmd --version`` answer at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -363,6 +364,14 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def _runtime_settings(settings: Settings, **overrides: Any) -> dict[str, Any]:
+    """The runtime's settings (llmd.daemon.engine_args.EngineArgs) as ``llmd.LLM`` keywords: an
+    in-process command builds the engine the daemon would."""
+    from llmd.daemon.engine_args import EngineArgs
+
+    return dataclasses.asdict(EngineArgs.from_settings(settings.values, **overrides))
+
+
 def _generate_in_process(args: argparse.Namespace, settings: Settings, prompt: str) -> int:
     import torch
 
@@ -373,8 +382,7 @@ def _generate_in_process(args: argparse.Namespace, settings: Settings, prompt: s
     params = SamplingParams(**_sampling_kwargs(args))
     try:
         # One request: a KV pool for one sequence's context is all it can use (also on a GPU).
-        llm = LLM(settings["model"], dtype=settings["dtype"], quant=settings["quant"],
-                  group_size=settings["group_size"], max_num_seqs=1)
+        llm = LLM(**_runtime_settings(settings, max_num_seqs=1))
     except ValueError as e:  # e.g. the GPU has no memory left for the KV cache
         raise LlmdError(str(e)) from None
     except torch.OutOfMemoryError:
@@ -417,7 +425,11 @@ def cmd_start(args: argparse.Namespace) -> int:
             from llmd.logs import log_to_file
 
             log_to_file(Path(args.log_file))
-        return serve(DaemonOptions(**settings.values, log_file=args.log_file))
+        try:
+            options = DaemonOptions.from_settings(settings.values, log_file=args.log_file)
+        except ValueError as e:
+            raise LlmdError(str(e)) from None
+        return serve(options)
     return _start_background(args, settings)
 
 
@@ -490,13 +502,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_llm(args: argparse.Namespace) -> Any:
-    """``llmd bench --in-process``: the engine in this process, with the daemon's engine defaults
-    (max_num_seqs 64, 512 batched tokens) so the two compare."""
+    """``llmd bench --in-process``: the engine in this process, built from the settings as the
+    daemon builds it, so the two compare."""
     from llmd.daemon.llm import LLM
 
     try:
-        settings = _settings(args)
-        return LLM(settings["model"], dtype=settings["dtype"], quant=settings["quant"], attention=settings["attention"])
+        return LLM(**_runtime_settings(_settings(args)))
     except ValueError as e:
         raise LlmdError(str(e)) from None
 

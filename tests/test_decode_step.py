@@ -121,7 +121,7 @@ def test_decode_rows_take_the_step_whatever_shares_it(model_dirs) -> None:
     prompt_a, prompt_b = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 45))
 
     def logprobs_of_a(with_b: bool) -> list[float]:
-        engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64, max_num_batched_tokens=16))
+        engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64, max_batched_tokens=16))
         engine.add_request("a", prompt_a, params)
         got, step = [], 0
         while engine.has_unfinished():

@@ -33,14 +33,14 @@ def llm():
     the quantised model is checked in bf16 below and against the dense one in test_quant_native."""
     from llmd import LLM
 
-    return LLM(num_blocks=512, max_num_batched_tokens=50, dtype="float32", quant="none")
+    return LLM(num_blocks=512, max_batched_tokens=50, dtype="float32", quant="none")
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def any_llm(request: pytest.FixtureRequest, llm):
     from llmd import LLM
 
-    return llm if request.param == "float32" else LLM(num_blocks=512, max_num_batched_tokens=50, dtype="bfloat16")
+    return llm if request.param == "float32" else LLM(num_blocks=512, max_batched_tokens=50, dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,8 @@ def test_batched_logprobs_match_unbatched_within_rounding(any_llm, prompts) -> N
 def test_chunked_prefill_matches(llm, prompts, reference, chunk: int) -> None:
     from llmd.daemon.engine.engine import LLMEngine, EngineConfig
 
-    engine = LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(num_blocks=128, max_num_batched_tokens=chunk,
-                                                                    enable_prefix_caching=False))
+    engine = LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(num_blocks=128, max_batched_tokens=chunk,
+                                                                    prefix_cache=False))
     got = run_engine(engine, [(0, f"q{i}", prompts[i], GREEDY) for i in (0, 12)])
     assert [got["q0"], got["q12"]] == [reference[0], reference[12]]
 
@@ -106,7 +106,7 @@ def test_chunked_prefill_matches(llm, prompts, reference, chunk: int) -> None:
 def test_preemption_matches(llm, prompts, reference) -> None:
     from llmd.daemon.engine.engine import LLMEngine, EngineConfig
 
-    engine = LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(num_blocks=14, max_num_batched_tokens=64))
+    engine = LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(num_blocks=14, max_batched_tokens=64))
     picks = [0, 4, 9, 12]
     got = run_engine(engine, [(0, f"q{i}", prompts[i], GREEDY) for i in picks])
     assert engine.scheduler.num_preemptions > 0
@@ -124,13 +124,13 @@ def test_shared_1000_token_prefix_is_served_from_the_cache(llm) -> None:
     first = prefix + tok.encode("\nQuestion: what is this module for?\nAnswer:")
     second = prefix + tok.encode("\nQuestion: who would use this?\nAnswer:")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    engine = LLMEngine(llm.engine.model, tok, EngineConfig(num_blocks=256, max_num_batched_tokens=512))
+    engine = LLMEngine(llm.engine.model, tok, EngineConfig(num_blocks=256, max_batched_tokens=512))
     run_engine(engine, [(0, "first", first, params)])
     before = engine.meter.num_prefill_total
     out = run_engine(engine, [(0, "second", second, params)])["second"]
     recomputed = engine.meter.num_prefill_total - before
     assert recomputed < 32, f"recomputed {recomputed} prompt tokens of {len(second)}"
     assert recomputed == len(second) - 1000 + 1000 % 16  # everything after the last full shared block
-    uncached = LLMEngine(llm.engine.model, tok, EngineConfig(num_blocks=256, max_num_batched_tokens=512,
-                                                             enable_prefix_caching=False))
+    uncached = LLMEngine(llm.engine.model, tok, EngineConfig(num_blocks=256, max_batched_tokens=512,
+                                                             prefix_cache=False))
     assert run_engine(uncached, [(0, "second", second, params)])["second"] == out

@@ -44,8 +44,8 @@ def reference(tiny_dir: Path) -> dict[str, list[int]]:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("chunk", [1, 7, 13, 4096])
 def test_batching_does_not_change_greedy_output(tiny_dir: Path, reference, prefix_caching: bool, chunk: int) -> None:
-    engine = make_engine(tiny_dir, num_blocks=128, block_size=16, max_num_batched_tokens=chunk,
-                         enable_prefix_caching=prefix_caching)
+    engine = make_engine(tiny_dir, num_blocks=128, block_size=16, max_batched_tokens=chunk,
+                         prefix_cache=prefix_caching)
     got = run_engine(engine, make_requests(16))
     assert got == reference
     stats = engine.stats()
@@ -66,7 +66,7 @@ def test_one_at_a_time_equals_concurrent(tiny_dir: Path, reference) -> None:
 def test_preemption_does_not_change_greedy_output(tiny_dir: Path, reference, block_size: int) -> None:
     # 120 tokens of pool for 16 requests of up to 114 tokens: preemption is certain.
     engine = make_engine(tiny_dir, num_blocks=480 // block_size // 4, block_size=block_size,
-                         max_num_batched_tokens=64)
+                         max_batched_tokens=64)
     got = run_engine(engine, make_requests(16))
     assert engine.scheduler.num_preemptions > 0
     assert got == reference

@@ -50,7 +50,7 @@ class EngineMachine(RuleBasedStateMachine):
                 caching=st.booleans())
     def setup(self, num_blocks: int, chunk: int, caching: bool) -> None:
         self.engine = make_engine(self.engine_dir, num_blocks=num_blocks, block_size=4,
-                                  max_num_batched_tokens=chunk, enable_prefix_caching=caching, max_num_seqs=6)
+                                  max_batched_tokens=chunk, prefix_cache=caching, max_num_seqs=6)
         self.next_id = 0
         self.live: set[str] = set()
 

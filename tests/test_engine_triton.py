@@ -77,7 +77,7 @@ def test_triton_backend_matches_torch_backend(tmp_path: Path, model: str, decode
 
     model_dir = save_hf_model(make_hf_model(model), tmp_path / model, with_tokenizer=True)
     requests = make_requests(seed=len(model))
-    config = dict(num_blocks=96, block_size=16, max_num_batched_tokens=24)  # 24: prompts arrive in chunks
+    config = dict(num_blocks=96, block_size=16, max_batched_tokens=24)  # 24: prompts arrive in chunks
     expected = run_engine(make_engine(model_dir, attention=TorchAttentionBackend(), **config), requests)
     backend = RecordingTritonBackend()
     engine = make_engine(model_dir, attention=backend, **config)
@@ -106,7 +106,7 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
 
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
     requests = make_requests(seed=3)[:4]
-    config = dict(num_blocks=96, block_size=16, max_num_batched_tokens=24)
+    config = dict(num_blocks=96, block_size=16, max_batched_tokens=24)
     quant = QuantConfig("int4", 32)
     reference = make_engine(model_dir, attention=TorchAttentionBackend(), quant=quant, **config)
     for module in reference.model.modules():
@@ -156,7 +156,7 @@ def test_the_warm_up_launches_every_kernel_variant_serving_does(tmp_path: Path) 
 
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
     engine = make_engine(model_dir, attention=TorchAttentionBackend(), quant=QuantConfig("int4", 32),
-                         num_blocks=96, block_size=16, max_num_batched_tokens=24)
+                         num_blocks=96, block_size=16, max_batched_tokens=24)
     engine.model.attn_backend, engine.model.layer_ops = TritonAttentionBackend(), TritonLayerOps()
     engine.model.use_triton_kernels()
     warmed, served = set(), set()

@@ -148,7 +148,7 @@ def test_hit_is_confirmed_against_tokens() -> None:
 
 
 def test_prefix_caching_off_never_hits() -> None:
-    kv = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    kv = KVCacheManager(num_blocks=4, block_size=BS, prefix_cache=False)
     a = seq("a", list(range(17)))
     admit(kv, a)
     kv.free(a)

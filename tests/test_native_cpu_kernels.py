@@ -243,7 +243,7 @@ def test_cpu_backend_generates_what_the_torch_backend_does(tmp_path, model: str)
 
     model_dir = save_hf_model(make_hf_model(model), tmp_path / model, with_tokenizer=True)
     requests = make_requests(seed=len(model))
-    config = dict(num_blocks=96, block_size=16, max_num_batched_tokens=24)
+    config = dict(num_blocks=96, block_size=16, max_batched_tokens=24)
     expected = run_engine(make_engine(model_dir, attention=TorchAttentionBackend(), **config), requests)
     assert run_engine(make_engine(model_dir, attention=CpuAttentionBackend(), **config), requests) == expected
 

@@ -123,7 +123,7 @@ def test_seed_gives_the_same_text_alone_and_in_a_busy_batch(model_dir: Path) -> 
     others = [(i % 4, f"o{i}", list(range(i, i + 5 + 3 * i)),
                SamplingParams(temperature=0.8, max_tokens=10 + i, ignore_eos=True, seed=i if i % 2 else None))
               for i in range(8)]
-    busy = run_engine(make_engine(model_dir, num_blocks=64, max_num_batched_tokens=16),
+    busy = run_engine(make_engine(model_dir, num_blocks=64, max_batched_tokens=16),
                       others + [(2, "x", prompt, seeded)])["x"]
     assert busy == alone
     other_seed = run_engine(make_engine(model_dir, num_blocks=64),

@@ -32,10 +32,10 @@ def make_seq(rid: str, num_tokens: int, owner: Any = None, priority: int = 0, ma
 
 
 def make_scheduler(num_blocks: int = 4096, block_size: int = 16, max_num_seqs: int = 64,
-                   max_num_batched_tokens: int = 512) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   max_batched_tokens: int = 512) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                              max_model_len=8192)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_cache=False))
 
 
 def step(sched: Scheduler) -> dict[str, int]:
@@ -44,7 +44,7 @@ def step(sched: Scheduler) -> dict[str, int]:
     sampled = [7 if seq.num_computed_tokens + n == seq.num_tokens else None
                for seq, n in zip(batch.seqs, batch.num_new_tokens)]
     sched.update(batch, sampled)
-    assert batch.num_tokens <= sched.config.max_num_batched_tokens
+    assert batch.num_tokens <= sched.config.max_batched_tokens
     assert len(batch.seqs) == len(set(map(id, batch.seqs))), "a sequence scheduled twice in one step"
     return {seq.request_id: n for seq, n in zip(batch.seqs, batch.num_new_tokens)}
 
@@ -125,7 +125,7 @@ def test_many_owners_take_turns_in_whole_chunks() -> None:
     steps = sorted(first_token_step.values())
     assert len(steps) == 32 and steps[:4] == [1] * 4 and steps[15] <= 5 and steps[-1] <= 10, steps
 
-    sched = make_scheduler(max_num_batched_tokens=256)
+    sched = make_scheduler(max_batched_tokens=256)
     add_all(sched, [make_seq(f"t{i}", 4000, owner=f"client{i}") for i in range(8)])
     totals: dict[str, int] = {}
     for _ in range(32):  # 8,192 tokens: two owners a step, each in turn
@@ -157,7 +157,7 @@ def test_waiting_request_that_does_not_fit_does_not_block_smaller_ones() -> None
 def test_request_skipped_for_lack_of_room_is_not_starved() -> None:
     # 8 slots and 24 blocks; a small request arrives every step and holds 2 blocks for ~11 steps:
     # with 7 of them running the big one's 11 blocks do not fit, and a new small one always does.
-    sched = make_scheduler(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=256)
+    sched = make_scheduler(num_blocks=24, max_num_seqs=8, max_batched_tokens=256)
     add_all(sched, [make_seq(f"s{i}", 16, owner="B", max_tokens=10 + i) for i in range(8)])
     step(sched)
     big = add_all(sched, [make_seq("big", 170, owner="A")])[0]
@@ -200,7 +200,7 @@ def test_higher_priority_prompt_takes_the_budget_first() -> None:
 @pytest.mark.parametrize("case", ["owner holding most blocks", "lowest priority"])
 def test_preemption_takes_from_the_biggest_owner_or_lowest_priority(case: str) -> None:
     # 10 blocks of 4: the two requests hold 6 + 2 blocks after their prompts, and 9 + 5 at the end.
-    sched = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=10, block_size=4, max_batched_tokens=64)
     if case == "owner holding most blocks":
         older = add_all(sched, [make_seq("big", 21, owner="A", max_tokens=12)])[0]
         step(sched)
@@ -228,7 +228,7 @@ def test_preemption_takes_from_the_biggest_owner_or_lowest_priority(case: str) -
 def test_long_prompts_that_do_not_all_fit_are_not_thrashed() -> None:
     # 16 blocks of 16 hold one 150-token prompt (10 blocks) and its output, not two: the others
     # wait instead of being computed chunk by chunk and preempted when the pool runs dry.
-    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=16, max_batched_tokens=64)
     seqs = add_all(sched, [make_seq(f"p{i}", 150, max_tokens=8) for i in range(3)])
     for _ in range(40):
         if not sched.has_unfinished():

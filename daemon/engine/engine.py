@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmd.config import OPTIONS
 from llmd.daemon.engine.detokenizer import RequestDetokenizer
 from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
@@ -25,7 +26,8 @@ from llmd.errors import PromptTooLongError, RequestError
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Engine knobs. Raises ``ValueError`` with the fix in the message.
+    """Engine knobs (the settings of the same names in llmd.config, whose defaults these are).
+    Raises ``ValueError`` with the fix in the message.
 
     Attributes:
         block_size: tokens per KV block.
@@ -35,22 +37,22 @@ class EngineConfig:
             activations, KV pool); the rest stays for the desktop.
         num_blocks: exact pool size (overrides ``kv_cache_mb``; tests use tiny pools).
         max_num_seqs: sequences running at once.
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output); default and cap: the model's context.
-        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        prefix_cache: reuse KV blocks of shared prompt prefixes.
         cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket (never run on a
             GPU yet: README "GPU status"; ignored elsewhere).
     """
 
-    block_size: int = 16
-    kv_cache_mb: int | None = None
+    block_size: int = OPTIONS["block_size"].default
+    kv_cache_mb: int | None = OPTIONS["kv_cache_mb"].default
     num_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = OPTIONS["max_num_seqs"].default
+    max_batched_tokens: int = OPTIONS["max_batched_tokens"].default
     max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_fraction: float = 0.8
-    cuda_graphs: bool = False
+    prefix_cache: bool = OPTIONS["prefix_cache"].default
+    gpu_memory_fraction: float = OPTIONS["gpu_memory_fraction"].default
+    cuda_graphs: bool = OPTIONS["cuda_graphs"].default
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -59,14 +61,14 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         fraction = self.gpu_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {fraction!r}")
-        for name in ("enable_prefix_caching", "cuda_graphs"):
+        for name in ("prefix_cache", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -107,9 +109,9 @@ class LLMEngine:
                                                         config.cuda_graphs)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
         self._start_runner()
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.prefix_cache)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
+            SchedulerConfig(config.max_num_seqs, config.max_batched_tokens, self.max_model_len), self.kv
         )
         self.requests: dict[str, _Request] = {}
         self.meter = ThroughputMeter()
@@ -152,12 +154,12 @@ class LLMEngine:
         so that serving never stalls on a kernel compile (ModelRunner.warm_up)."""
         self.runner.allocate_kv_cache(self.num_blocks)
         if self.runner.device.type == "cuda" and self.model.attn_backend.name == "triton":
-            self.runner.warm_up(self.config.max_num_batched_tokens)
+            self.runner.warm_up(self.config.max_batched_tokens)
 
     def _blocks_for_budget(self) -> int:
         cfg = self.config
         if self.runner.device.type == "cuda":
-            budget = measure_gpu_kv_budget(self.runner, cfg.kv_cache_mb, cfg.max_num_batched_tokens,
+            budget = measure_gpu_kv_budget(self.runner, cfg.kv_cache_mb, cfg.max_batched_tokens,
                                            cfg.max_num_seqs, cfg.gpu_memory_fraction)
         else:
             budget = cpu_kv_budget_bytes(cfg.kv_cache_mb)

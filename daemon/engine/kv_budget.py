@@ -63,7 +63,7 @@ def gpu_kv_budget_bytes(total: int, free: int, peak_reserved: int, reserved: int
     return budget
 
 
-def measure_gpu_kv_budget(runner: ModelRunner, kv_cache_mb: int | None, max_num_batched_tokens: int,
+def measure_gpu_kv_budget(runner: ModelRunner, kv_cache_mb: int | None, max_batched_tokens: int,
                           max_num_seqs: int, fraction: float) -> int:
     """The KV pool's bytes on the runner's GPU: ``kv_cache_mb`` if given (checked against the free
     memory), else profile the largest step and return :func:`gpu_kv_budget_bytes`.
@@ -88,10 +88,10 @@ def measure_gpu_kv_budget(runner: ModelRunner, kv_cache_mb: int | None, max_num_
     torch.cuda.empty_cache()  # blocks the loader left cached are not activations
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        runner.profile_run(max_num_batched_tokens, max_num_seqs)
+        runner.profile_run(max_batched_tokens, max_num_seqs)
         torch.cuda.synchronize(device)
     except torch.OutOfMemoryError:
-        raise ValueError(f"a step of --max-batched-tokens {max_num_batched_tokens} does not fit in GPU memory "
+        raise ValueError(f"a step of --max-batched-tokens {max_batched_tokens} does not fit in GPU memory "
                          "next to the weights; lower --max-batched-tokens or choose --quant int4") from None
     peak = torch.cuda.max_memory_reserved(device)
     torch.cuda.empty_cache()  # hand the activations' cached blocks back; the pool may need them

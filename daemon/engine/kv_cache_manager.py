@@ -40,13 +40,13 @@ class KVCacheManager:
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
-        enable_prefix_caching: reuse computed blocks across requests.
+        prefix_cache: reuse computed blocks across requests.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.prefix_cache = prefix_cache
+        self.pool = BlockPool(num_blocks, enable_caching=prefix_cache)
         self._num_cached_blocks: dict[str, int] = {}  # request id -> blocks already indexed
 
     @property
@@ -69,7 +69,7 @@ class KVCacheManager:
         """The longest cached prefix of ``seq`` as ``(blocks, num_tokens)``; takes no references.
         None for a request that wants its prompt's log-probabilities: those need every prompt
         token computed (its own blocks are still cached for later requests)."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.prefix_cache or seq.params.prompt_logprobs is not None:
             return [], 0
         self.update_block_hashes(seq)
         bs = self.block_size
@@ -109,7 +109,7 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Index the blocks that are full and computed (call after each step that computed them)."""
-        if not self.enable_prefix_caching:
+        if not self.prefix_cache:
             return
         num_full = seq.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(seq.request_id, 0)

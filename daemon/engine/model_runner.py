@@ -72,7 +72,7 @@ class ModelRunner:
             Triton attention backend only, else ignored with a warning).
     """
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, max_num_seqs: int = 64,
+    def __init__(self, model: LlamaForCausalLM, block_size: int, max_num_seqs: int,
                  max_model_len: int | None = None, cuda_graphs: bool = False) -> None:
         self.model = model
         self.block_size = block_size
@@ -119,7 +119,7 @@ class ModelRunner:
         finally:
             self.kv_caches = caches
 
-    def warm_up(self, max_num_batched_tokens: int) -> None:
+    def warm_up(self, max_batched_tokens: int) -> None:
         """Run a step of every size class serving can make, once, on the KV cache (no sequence
         holds a block yet; whatever this writes, a sequence overwrites before it reads). On a GPU
         each Triton kernel variant compiles at its first launch (a second or so; from Triton's disk
@@ -128,7 +128,7 @@ class ModelRunner:
         row counts where a kernel's tile size changes (powers of two, see WARM_UP_ROWS)."""
         bs = self.block_size
         num_blocks = self.kv_caches[0][0].shape[0]
-        chunks = [n for n in WARM_UP_ROWS if n <= min(max_num_batched_tokens, self.max_model_len, num_blocks * bs)]
+        chunks = [n for n in WARM_UP_ROWS if n <= min(max_batched_tokens, self.max_model_len, num_blocks * bs)]
         rows = [n for n in WARM_UP_ROWS if n <= min(self.decode_inputs.max_rows, num_blocks)]
         dev = self.device
         params = SamplingParams(temperature=1.0, top_p=0.9)

@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmd.config import OPTIONS
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -65,15 +66,15 @@ class SchedulerConfig:
             the budget is too small for all of them, owners take turns (module docstring).
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = OPTIONS["max_num_seqs"].default
+    max_batched_tokens: int = OPTIONS["max_batched_tokens"].default
     max_model_len: int = 2048
     step_seconds: float | None = 0.2
     lone_step_seconds: float | None = 1.0
     min_chunk_tokens: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "min_chunk_tokens"):
+        for name in ("max_num_seqs", "max_batched_tokens", "max_model_len", "min_chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -154,7 +155,7 @@ class Scheduler:
         if self._blocker is not None:
             self._admit(self._blocker)  # first in, the moment it fits
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_batched_tokens
         for seq in sorted(self.running, key=lambda s: -s.priority):
             if budget and _num_left(seq) == 1:
                 batch.seqs.append(seq)
@@ -185,7 +186,7 @@ class Scheduler:
         shared = len({s.owner for s in self.running + self.waiting}) > 1
         seconds = cfg.step_seconds if shared else cfg.lone_step_seconds
         if seconds is None or self._prompt_tokens_per_s is None:
-            return cfg.max_num_batched_tokens
+            return cfg.max_batched_tokens
         # NOTE: the rate includes each step's fixed cost, so if a step costs fixed + n * per_token,
         # steps settle at the n that takes ``seconds``.
         return max(MIN_PACED_TOKENS, int(self._prompt_tokens_per_s * seconds))
