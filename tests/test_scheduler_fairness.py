@@ -17,8 +17,8 @@ import pytest
 
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.engine.scheduler import Scheduler, SchedulerConfig
-from llmd.daemon.engine.sequence import Sequence, SequenceStatus
+from llmd.daemon.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from llmd.daemon.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 _prompt_seeds = itertools.count(1)
 
@@ -38,12 +38,21 @@ def make_scheduler(num_blocks: int = 4096, block_size: int = 16, max_num_seqs: i
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_cache=False))
 
 
+def end_finished(sched: Scheduler, batch: ScheduledBatch) -> None:
+    """What the engine does after an update (LLMEngine._check_stop; these requests ignore EOS and
+    have no stop strings): end the sequences whose output reached max_tokens."""
+    for seq in batch.seqs:
+        if not seq.is_finished and seq.num_output_tokens >= seq.params.max_tokens:
+            sched.finish(seq, FinishReason.LENGTH)
+
+
 def step(sched: Scheduler) -> dict[str, int]:
     """One step without a model; returns each scheduled request's number of tokens."""
     batch = sched.schedule()
     sampled = [7 if seq.num_computed_tokens + n == seq.num_tokens else None
                for seq, n in zip(batch.seqs, batch.num_new_tokens)]
     sched.update(batch, sampled)
+    end_finished(sched, batch)
     assert batch.num_tokens <= sched.config.max_batched_tokens
     assert len(batch.seqs) == len(set(map(id, batch.seqs))), "a sequence scheduled twice in one step"
     return {seq.request_id: n for seq, n in zip(batch.seqs, batch.num_new_tokens)}
@@ -261,6 +270,7 @@ def test_steps_are_paced_to_their_time_targets(monkeypatch: pytest.MonkeyPatch) 
         sampled = [7 if seq.num_computed_tokens + n == seq.num_tokens else None
                    for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         sched.update(batch, sampled)
+        end_finished(sched, batch)
         return seconds
 
     sched = make_scheduler()  # step_seconds 0.2, lone_step_seconds 1.0

@@ -7,7 +7,7 @@ calls :meth:`LLMEngine.step` in a loop and routes the deltas it returns.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from llmd.config import OPTIONS
@@ -77,7 +77,6 @@ class EngineConfig:
 class _Request:
     seq: Sequence
     detok: RequestDetokenizer
-    logprobs: list[Logprob] = field(default_factory=list)
     # per prompt position (the first has none), filled as the prompt is computed
     prompt_logprobs: list[Logprob | None] | None = None
 
@@ -256,20 +255,11 @@ class LLMEngine:
         return deltas
 
     def _emit(self, req: _Request, token: int, lp: Logprob | None) -> RequestDelta:
+        """The delta of a sequence's new token, and its end if the token ends it (:meth:`_check_stop`)."""
         seq = req.seq
-        if lp is not None:
-            req.logprobs.append(lp)
-        stopped_by_token = seq.finish_reason is FinishReason.STOP
-        text, stopped = ("", False) if stopped_by_token else req.detok.push(token)
-        if stopped:
-            if seq.is_finished:  # the stop string completed on the last allowed token
-                seq.finish_reason = FinishReason.STOP
-            self.scheduler.finish(seq, FinishReason.STOP)
-        elif seq.is_finished:
-            rest, stopped = req.detok.flush()
-            text += rest
-            if stopped and seq.finish_reason is FinishReason.LENGTH:
-                seq.finish_reason = FinishReason.STOP
+        text, reason = self._check_stop(req, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
         delta = RequestDelta(seq.request_id, text, [token], logprobs=[lp] if lp is not None else [])
         if seq.is_finished:
             delta.finished = True
@@ -279,6 +269,22 @@ class LLMEngine:
             del self.requests[seq.request_id]
             self.runner.release(seq.request_id)
         return delta
+
+    def _check_stop(self, req: _Request, token: int) -> tuple[str, FinishReason | None]:
+        """The text ``token`` adds and whether it ends the request, decided once, here: a stop token
+        (EOS unless ignored, or a requested one: its own text is never shown, what was held back is),
+        then a stop string in the text, then the length (``max_tokens``, or the context full), the held-back text flushed,
+        which may still complete a stop string."""
+        seq, params = req.seq, req.seq.params
+        if (not params.ignore_eos and token in seq.eos_token_ids) or token in params.stop_token_ids:
+            return req.detok.flush()[0], FinishReason.STOP  # the text held back for a stop string, shown
+        text, stopped = req.detok.push(token)
+        if stopped:
+            return text, FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            rest, stopped = req.detok.flush()
+            return text + rest, FinishReason.STOP if stopped else FinishReason.LENGTH
+        return text, None
 
     def take_peak_blocks_used(self) -> int:
         """The most KV blocks in use at any step since the last call (or now, if more), and reset:

@@ -291,37 +291,20 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_place)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance each scheduled sequence after the model ran; returns those that finished.
-
-        Args:
-            sampled: per scheduled sequence, the new token, or None if its prompt is not done.
-        """
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> None:
+        """Advance each scheduled sequence after the model ran: its computed tokens, its cached
+        blocks, and the token it sampled (None while its prompt is not done). Whether that token
+        ends it is the engine's call (it alone sees the text, for stop strings): :meth:`finish`."""
         seconds = time.monotonic() - self._scheduled_at  # the model's run: called right after it
         if self._num_prompt_tokens >= MIN_PACED_TOKENS:
             self._prompt_tokens_per_s = self._num_prompt_tokens / max(seconds, 1e-9)
-        finished = []
         for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled):
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += num_new
             self.kv.cache_computed_blocks(seq)
-            if token is None:
-                continue
-            seq.append_token(token)
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
-        return finished
-
-    def _check_stop(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
-        if (not params.ignore_eos and token in seq.eos_token_ids) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
+            if token is not None:
+                seq.append_token(token)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stop, length or abort) wherever it is and free its blocks."""
