@@ -31,6 +31,16 @@ def daemon_env(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
+
+
+def fault_env(env: dict[str, str], **faults: str) -> dict[str, str]:
+    """``env`` for a daemon with test-only faults (tests/fault_hooks/sitecustomize.py), e.g.
+    ``LLMD_TEST_FAULT_STEP="400"``."""
+    path = os.pathsep.join(p for p in (str(FAULT_HOOKS), env.get("PYTHONPATH", "")) if p)
+    return {**env, **faults, "PYTHONPATH": path}
+
+
 def start_daemon(model_dir: Path, socket_dir: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "llmd", "start", "--model", str(model_dir), "--socket-dir", str(socket_dir),

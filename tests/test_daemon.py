@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import (
-    client_process, daemon_env, start_daemon, stop_daemon, wait_for, wait_gone,
+    client_process, daemon_env, fault_env, start_daemon, stop_daemon, wait_for, wait_gone,
 )
 from tiny_models import make_hf_model, save_hf_model
 
@@ -235,7 +235,7 @@ def test_overloaded_and_injected_step_failure(model_dir, tmp) -> None:
     socket_dir = tmp / "faulty"
     # NOTE: the fault must come well after the next two requests arrive: at step 40 (~40 ms of tiny-model
     # steps) a loaded CI machine once let it fire first, emptying the queue the overload check needs.
-    env = daemon_env(tmp, LLMD_FAULT_STEP="400")
+    env = fault_env(daemon_env(tmp), LLMD_TEST_FAULT_STEP="400")
     start_daemon(model_dir, socket_dir, "--max-num-seqs", "1", "--max-queue-len", "1", env=env)
     try:
         with Client(socket_dir) as c:

@@ -222,6 +222,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (their prompts not started)."""
+        return len(self.scheduler.waiting)
+
     def step(self) -> list[RequestDelta]:
         """Schedule, run the model once, sample, and return every request's new output."""
         if self.runner is None:

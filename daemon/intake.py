@@ -1,0 +1,170 @@
+"""Requests into the daemon: a ``generate`` checked field by field, its prompt encoded on a worker
+thread (daemon/prompt_encoder.py: nothing a client sends can stall the loop), and handed to the
+engine when its tokens are ready; ``tokenize`` answered the same way."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from llmd.daemon.engine.engine import LLMEngine
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.engine.sequence import MAX_PRIORITY, MIN_PRIORITY
+from llmd.daemon.prompt_encoder import PromptEncoder
+from llmd.daemon.transport import Reply
+from llmd.errors import PromptTooLongError, RequestError
+from llmd.protocol import ErrorCode, Message, ProtocolError, require_str
+
+log = logging.getLogger("llmd.server")
+
+_PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+FRESH_ENCODING_WAIT_S = 0.02  # how long a loop turn waits for the prompts that arrived in it
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    """A request in flight, as the daemon sees it."""
+
+    identity: bytes
+    request_id: str
+    parent: str
+    stream: bool
+    num_prompt_tokens: int
+    public_id: str  # how the stats stream names it (request ids are private to their client)
+    params: SamplingParams
+    priority: int = 0
+    encoding: Future[list[int]] | None = None  # set until the prompt's tokens are ready
+    text: list[str] = field(default_factory=list)  # collected for stream=False
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+
+
+def request_key(identity: bytes, request_id: str) -> str:
+    """The engine's id of a client's request. NOTE: keyed by the client's identity too, so nobody
+    can reach another's request."""
+    return f"{identity.hex()}/{request_id}"
+
+
+class Intake:
+    """Args:
+        engine: where ready requests go.
+        live: the daemon's requests in flight, by :func:`request_key` (shared with the server).
+        max_queue_len: waiting requests (queued or encoding) beyond which new ones are refused.
+        reply: queues a reply to a client.
+        wake: called from the worker thread when an encoding finishes (wakes the loop).
+    """
+
+    def __init__(self, engine: LLMEngine, live: dict[str, LiveRequest], max_queue_len: int,
+                 reply: Callable[[bytes, Reply], None], wake: Callable[[Future[list[int]]], None],
+                 new_public_id: Callable[[bytes], str]) -> None:
+        self.engine, self.live, self.max_queue_len = engine, live, max_queue_len
+        self._reply, self._wake, self._new_public_id = reply, wake, new_public_id
+        self.encoder = PromptEncoder(engine.tokenizer, engine.max_request_tokens)
+        self._encoding_replies: list[tuple[Future[list[int]], bytes, str]] = []  # `tokenize` requests
+        self._fresh: list[Future[list[int]]] = []  # encodings started in this loop turn
+
+    def close(self) -> None:
+        self.encoder.close()
+
+    def generate(self, identity: bytes, msg: Message, stopping: bool = False) -> LiveRequest:
+        """Check a ``generate`` and start encoding its prompt; :meth:`collect` queues it.
+
+        Raises:
+            ProtocolError: a field is bad, the id is in use, the daemon is ``stopping`` or the
+                queue is full.
+        """
+        c = msg.content
+        rid = require_str(c, "request_id")
+        key = request_key(identity, rid)
+        if key in self.live:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"request id {rid!r} is already in use")
+        if stopping:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; no new requests")
+        queued = self.engine.num_waiting + sum(1 for live in self.live.values() if live.encoding)
+        if queued >= self.max_queue_len:
+            raise ProtocolError(ErrorCode.OVERLOADED, f"{queued} requests are queued; try again later")
+        stream = c.get("stream", True)
+        if not isinstance(stream, bool):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "stream must be true or false")
+        priority = c.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+        raw_params = c.get("params", {})
+        if not isinstance(raw_params, dict) or set(raw_params) - _PARAM_FIELDS:
+            unknown = sorted(set(raw_params) - _PARAM_FIELDS) if isinstance(raw_params, dict) else raw_params
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"params must be a map of sampling parameters; "
+                                                      f"unknown: {unknown!r}")
+        try:
+            params = SamplingParams(**raw_params)
+        except (RequestError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        live = LiveRequest(identity, rid, msg.msg_id, stream, 0, self._new_public_id(identity), params, priority)
+        live.encoding = self.encoder.submit(c)
+        live.encoding.add_done_callback(self._wake)
+        self._fresh.append(live.encoding)
+        self.live[key] = live
+        return live
+
+    def tokenize(self, identity: bytes, msg: Message) -> None:
+        """Start encoding a ``tokenize``'s prompt; :meth:`collect` answers it."""
+        future = self.encoder.submit(msg.content)
+        future.add_done_callback(self._wake)
+        self._encoding_replies.append((future, identity, msg.msg_id))
+
+    def collect(self) -> None:
+        """Queue the requests whose prompts are encoded (``accepted``, or their error); answer
+        the ``tokenize`` requests that are done. Called once a loop turn, after the pipe the wake
+        callback writes to had something in it."""
+        for key, live in list(self.live.items()):
+            if live.encoding is None or not live.encoding.done():
+                continue
+            future, live.encoding = live.encoding, None
+            try:
+                ids = future.result()
+                self.engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority)
+            except ProtocolError as e:
+                self._refuse(key, e.code, str(e))
+                continue
+            except PromptTooLongError as e:
+                self._refuse(key, ErrorCode.TOO_LONG, str(e))
+                continue
+            except (RequestError, TypeError) as e:
+                self._refuse(key, ErrorCode.BAD_REQUEST, str(e))
+                continue
+            except Exception as e:  # a bug must cost one request, never the daemon
+                log.exception("failed to queue a request")
+                self._refuse(key, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+                continue
+            live.num_prompt_tokens = len(ids)
+            self._reply(live.identity, ("accepted", {"request_id": live.request_id, "prompt_tokens": len(ids),
+                                                     "id": live.public_id}, live.parent))
+        pending = []
+        for future, identity, parent in self._encoding_replies:
+            if not future.done():
+                pending.append((future, identity, parent))
+                continue
+            try:
+                self._reply(identity, ("tokens", {"token_ids": future.result()}, parent))
+            except ProtocolError as e:
+                self._reply(identity, ("error", {"code": e.code, "message": str(e)}, parent))
+            except Exception as e:
+                log.exception("failed to tokenize")
+                self._reply(identity, ("error", {"code": ErrorCode.INTERNAL, "message": f"{type(e).__name__}: {e}"},
+                                       parent))
+        self._encoding_replies = pending
+
+    def wait_for_fresh(self) -> None:
+        """Give the prompts that arrived in this loop turn a moment to encode. NOTE: a usual prompt
+        encodes in a millisecond: worth waiting that long for it, since otherwise it misses the
+        next step, which may take a second on a CPU."""
+        if self._fresh:
+            wait(self._fresh, timeout=FRESH_ENCODING_WAIT_S)
+            self._fresh.clear()
+
+    def _refuse(self, key: str, code: str, message: str) -> None:
+        live = self.live.pop(key)
+        self._reply(live.identity, ("error", {"code": code, "message": message, "request_id": live.request_id},
+                                    live.parent))

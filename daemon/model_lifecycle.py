@@ -1,0 +1,123 @@
+"""The model's life in the daemon: unloaded after ``idle_unload_s`` without work, loaded again by
+a worker thread when work arrives (the loop keeps answering meanwhile; the requests that arrived
+wait in the engine's queue, their queue time including the load)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from llmd.daemon.engine.engine import LLMEngine
+
+log = logging.getLogger("llmd.server")
+
+
+class ModelLifecycle:
+    """Args:
+        engine: the engine whose model this unloads and loads again.
+        idle_unload_s: free the model after this long without requests; 0: never.
+        load_model: loads the model again the way it was loaded first (needed for an idle unload).
+    """
+
+    def __init__(self, engine: LLMEngine, idle_unload_s: float, load_model: Callable[[], Any] | None) -> None:
+        if idle_unload_s and load_model is None:
+            raise ValueError("idle unload needs a way to load the model again (load_model)")
+        self.engine, self.idle_unload_s, self.load_model = engine, idle_unload_s, load_model
+        self.last_active = time.monotonic()  # the last step or request
+        self.num_unloads = 0
+        self._loading: threading.Thread | None = None
+        self._loaded: list[Any] = []  # the loader thread's result: [model] or [exception]
+
+    @property
+    def state(self) -> str:
+        """``loaded``, ``unloaded`` (idle) or ``loading`` (a request is waiting for the reload)."""
+        if self.engine.is_loaded:
+            return "loaded"
+        return "loading" if self._loading is not None else "unloaded"
+
+    def tick(self, busy: bool) -> BaseException | None:
+        """Once a loop turn, ``busy`` if any request is in flight: unload after ``idle_unload_s``
+        without work; start a reload once work waits; take a finished reload. Returns why a reload
+        failed (the caller fails the waiting requests), else None."""
+        now = time.monotonic()
+        if busy or self.engine.has_unfinished():
+            self.last_active = now
+        if self._loading is not None and not self._loading.is_alive():
+            failure = self._finish_reload()
+            if failure is not None:  # no new attempt before the caller has failed the waiting requests
+                return failure
+        if self.engine.is_loaded:
+            if self.idle_unload_s and not busy and not self.engine.has_unfinished() \
+                    and now - self.last_active >= self.idle_unload_s:
+                self._unload()
+        elif self.engine.has_unfinished() and self._loading is None:
+            log.info("a request arrived: loading the model again")
+            self._loaded = []
+            self._loading = threading.Thread(target=self._reload_worker, name="llmd-reload", daemon=True)
+            self._loading.start()
+        return None
+
+    def join(self) -> None:
+        """Wait for a reload in flight (a daemon thread mid-load would die with the interpreter)."""
+        if self._loading is not None:
+            self._loading.join()
+
+    def _reload_worker(self) -> None:
+        start = time.monotonic()
+        try:
+            self._loaded.append(self.load_model())
+            log.info("model loaded again in %.1fs", time.monotonic() - start)
+        except BaseException as e:  # handed to the loop, which fails the waiting requests
+            self._loaded.append(e)
+
+    def _finish_reload(self) -> BaseException | None:
+        self._loading = None
+        result = self._loaded.pop() if self._loaded else RuntimeError("the loader returned nothing")
+        if isinstance(result, BaseException):
+            log.error("reloading the model failed: %s: %s", type(result).__name__, result)
+            return result
+        self.engine.load(result)
+        return None
+
+    def _unload(self) -> None:
+        rss_before = _rss_bytes()
+        self.engine.unload()
+        gc.collect()
+        _release_memory()
+        self.num_unloads += 1
+        freed = rss_before - _rss_bytes()
+        log.info("idle for %.0fs: unloaded the model and KV cache (%s); the next request loads it again",
+                 time.monotonic() - self.last_active,
+                 f"{freed / 2**20:.0f} MiB returned" if freed > 0 else "memory kept by the allocator")
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _release_memory() -> None:
+    """Hand freed memory back to the system: torch's CUDA cache, and glibc's heap, which keeps
+    freed blocks below its (adaptive) mmap threshold for reuse otherwise."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    libc_name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(libc_name) if libc_name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
