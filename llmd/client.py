@@ -16,15 +16,15 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from llmd.errors import LlmdError
 from llmd.config import runtime_dir
+from llmd.errors import LlmdError
 from llmd.paths import process_alive, read_connection_file
 from llmd.protocol import MAX_MESSAGE_BYTES, REPLY_TYPES, Message, ProtocolError, decode, encode, new_msg_id
 
@@ -210,6 +210,10 @@ def _generate_content(request_id: str, prompt: str | None, messages: list[dict[s
     return content
 
 
+def _tokenize_content(prompt: str | None, messages: list[dict[str, str]] | None) -> dict[str, Any]:
+    return {"prompt": prompt} if messages is None else {"messages": messages}
+
+
 def _stats_socket(ctx: zmq.Context, connection: dict[str, Any], endpoint: str) -> zmq.Socket:
     # A small receive queue: stats are replaceable, a slow reader should see the newest.
     sub = ctx.socket(zmq.SUB)
@@ -268,7 +272,64 @@ class Stream:
                 self.client.cancel(self.request_id, wait=False)
 
 
-class Client:
+class _ClientCore:
+    """What :class:`Client` and :class:`AsyncClient` share, all but the waiting: the connection,
+    the DEALER socket (from the sync or asyncio ``ctx``), liveness, request ids, signing, and the
+    requests cancelled without waiting whose leftovers are dropped (``_discard``)."""
+
+    def __init__(self, socket_dir: str | os.PathLike[str] | None, connection: dict[str, Any] | None,
+                 endpoint: str, ctx: zmq.Context) -> None:
+        self.connection = connection or load_connection(socket_dir)
+        self.key = bytes.fromhex(self.connection["key"])
+        self.endpoint = endpoint
+        self.ctx = ctx
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self._liveness = _Liveness(self.socket, self.connection, endpoint)
+        try:
+            _connect(self.socket, self.connection, endpoint)
+        except LlmdError:
+            self._close_socket()
+            raise
+        self._discard: set[str] = set()  # route keys of requests we cancelled without waiting
+        self._ids = itertools.count()
+        self._prefix = os.urandom(3).hex()
+
+    def _close_socket(self) -> None:
+        self._liveness.close()
+        self.socket.close(0)
+
+    def _new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def _frames(self, msg_type: str, content: dict[str, Any]) -> tuple[list[bytes], str]:
+        """A request's signed frames and its message id; what answers it is now awaited."""
+        msg_id = new_msg_id()
+        frames = _encode_checked(self.key, msg_type, content, msg_id)
+        rid = content.get("request_id")
+        self._liveness.sent(f"req:{rid}" if isinstance(rid, str) else f"msg:{msg_id}")
+        return frames, msg_id
+
+    def _ended(self, key: str, msg: Message) -> None:
+        """``msg`` came for ``key``: a reply to a message, or a request's last, ends the wait on it."""
+        if key.startswith("msg:") or msg.type in ("done", "error"):
+            self._liveness.ended(key)
+
+    def _abandon(self, request_id: str) -> None:
+        """Stop waiting for a request cancelled without waiting: its last messages are dropped."""
+        self._liveness.ended(f"req:{request_id}")
+        self._discard.add(f"req:{request_id}")
+
+    def _silence(self, key: str, silent: float, timeout: float) -> None:
+        """After a quiet poll of ``key``: raise if the daemon is gone, or has been silent too long."""
+        if (why := self._liveness.why_gone(key)) is not None:
+            self._liveness.ended(key)
+            raise DaemonNotRunningError(why)
+        if silent > timeout:
+            raise DaemonNotRunningError(_silence_message(timeout, self.connection))
+
+
+class Client(_ClientCore):
     """Blocking client. Not thread-safe: use one per thread.
 
     Args:
@@ -279,26 +340,11 @@ class Client:
 
     def __init__(self, socket_dir: str | os.PathLike[str] | None = None, *,
                  connection: dict[str, Any] | None = None, endpoint: str = "requests") -> None:
-        self.connection = connection or load_connection(socket_dir)
-        self.key = bytes.fromhex(self.connection["key"])
-        self.endpoint = endpoint
-        self.ctx = zmq.Context.instance()
-        self.socket = self.ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self._liveness = _Liveness(self.socket, self.connection, endpoint)
-        try:
-            _connect(self.socket, self.connection, endpoint)
-        except LlmdError:
-            self.close()
-            raise
+        super().__init__(socket_dir, connection, endpoint, zmq.Context.instance())
         self._pending: dict[str, deque[Message]] = {}
-        self._discard: set[str] = set()  # keys of requests we cancelled without waiting
-        self._ids = itertools.count()
-        self._prefix = os.urandom(3).hex()
 
     def close(self) -> None:
-        self._liveness.close()
-        self.socket.close(0)
+        self._close_socket()
 
     def __enter__(self) -> Client:
         return self
@@ -306,14 +352,8 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _new_request_id(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
-
     def _send(self, msg_type: str, content: dict[str, Any]) -> str:
-        msg_id = new_msg_id()
-        frames = _encode_checked(self.key, msg_type, content, msg_id)
-        rid = content.get("request_id")
-        self._liveness.sent(f"req:{rid}" if isinstance(rid, str) else f"msg:{msg_id}")
+        frames, msg_id = self._frames(msg_type, content)
         self.socket.send_multipart(frames)
         return msg_id
 
@@ -331,17 +371,12 @@ class Client:
                 msg = box.popleft()
                 if not box:
                     del self._pending[key]  # no key outlives its messages
-                if key.startswith("msg:") or msg.type in ("done", "error"):
-                    self._liveness.ended(key)
+                self._ended(key, msg)
                 return msg
             polled_at = time.monotonic()
             if not self.socket.poll(int(LIVENESS_CHECK_S * 1000)):
-                if (why := self._liveness.why_gone(key)) is not None:
-                    self._liveness.ended(key)
-                    raise DaemonNotRunningError(why)
                 silent += _listened(polled_at)
-                if silent > timeout:
-                    raise DaemonNotRunningError(_silence_message(timeout, self.connection))
+                self._silence(key, silent, timeout)
                 continue
             silent = 0.0
             routed = _accept(self.key, self.socket.recv_multipart(), self._discard)
@@ -363,8 +398,7 @@ class Client:
         return self._call("stats")
 
     def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None) -> list[int]:
-        content = {"prompt": prompt} if messages is None else {"messages": messages}
-        return self._call("tokenize", content)["token_ids"]
+        return self._call("tokenize", _tokenize_content(prompt, messages))["token_ids"]
 
     def shutdown(self) -> dict[str, Any]:
         return self._call("shutdown")
@@ -408,15 +442,15 @@ class Client:
                 if msg.type == "done":
                     return
         self._pending.pop(f"req:{request_id}", None)
-        self._liveness.ended(f"req:{request_id}")
-        self._discard.add(f"req:{request_id}")  # its last deltas and done are still on the way
+        self._abandon(request_id)
 
-    def subscribe_stats(self, timeout: float = SILENCE_TIMEOUT_S) -> Iterator[dict[str, Any]]:
-        """Yield the daemon's stats as it publishes them (a few times a second)."""
+    def subscribe_stats(self, timeout: float | None = SILENCE_TIMEOUT_S) -> Iterator[dict[str, Any]]:
+        """Yield the daemon's stats as it publishes them (a few times a second); after ``timeout``
+        seconds without any, raise DaemonNotRunningError (None: wait through any silence)."""
         sub = _stats_socket(self.ctx, self.connection, self.endpoint)
         try:
             while True:
-                if not sub.poll(int(timeout * 1000)):
+                if not sub.poll(None if timeout is None else int(timeout * 1000)):
                     raise DaemonNotRunningError(_silence_message(timeout, self.connection))
                 stats = _stats_content(self.key, sub.recv_multipart())
                 if stats is not None:
@@ -425,36 +459,22 @@ class Client:
             sub.close(0)
 
 
-class AsyncClient:
-    """asyncio client with the same calls as :class:`Client` (awaitables and async iterators)."""
+class AsyncClient(_ClientCore):
+    """asyncio client with the calls of :class:`Client`, as awaitables and async iterators: the
+    same arguments, errors and timeouts. ``generate`` with ``stream`` is an async iterator of
+    :class:`Delta` ending with the :class:`Result`; without, an awaitable of the Result."""
 
     def __init__(self, socket_dir: str | os.PathLike[str] | None = None, *,
                  connection: dict[str, Any] | None = None, endpoint: str = "requests") -> None:
-        self.connection = connection or load_connection(socket_dir)
-        self.key = bytes.fromhex(self.connection["key"])
-        self.endpoint = endpoint
-        self.ctx = zmq.asyncio.Context.instance()
-        self.socket = self.ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self._liveness = _Liveness(self.socket, self.connection, endpoint)
-        try:
-            _connect(self.socket, self.connection, endpoint)
-        except LlmdError:
-            self._liveness.close()
-            self.socket.close(0)
-            raise
+        super().__init__(socket_dir, connection, endpoint, zmq.asyncio.Context.instance())
         self._queues: dict[str, asyncio.Queue[Message]] = {}
-        self._discard: set[str] = set()
         self._reader: asyncio.Task[None] | None = None
-        self._ids = itertools.count()
-        self._prefix = os.urandom(3).hex()
         self._last_heard = time.monotonic()
 
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        self._liveness.close()
-        self.socket.close(0)
+        self._close_socket()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -476,10 +496,7 @@ class AsyncClient:
     async def _send(self, msg_type: str, content: dict[str, Any]) -> str:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_forever())
-        msg_id = new_msg_id()
-        frames = _encode_checked(self.key, msg_type, content, msg_id)
-        rid = content.get("request_id")
-        self._liveness.sent(f"req:{rid}" if isinstance(rid, str) else f"msg:{msg_id}")
+        frames, msg_id = self._frames(msg_type, content)
         await self.socket.send_multipart(frames)
         return msg_id
 
@@ -491,26 +508,22 @@ class AsyncClient:
             polled_at = time.monotonic()
             try:
                 msg = await asyncio.wait_for(queue.get(), timeout=LIVENESS_CHECK_S)
-                if key.startswith("msg:") or msg.type in ("done", "error"):
-                    self._liveness.ended(key)
+                self._ended(key, msg)
                 return msg
             except asyncio.TimeoutError:
-                if (why := self._liveness.why_gone(key)) is not None:
-                    self._liveness.ended(key)
-                    raise DaemonNotRunningError(why) from None
                 silent = 0.0 if self._last_heard >= polled_at else silent + _listened(polled_at)
-                if silent > timeout:
-                    raise DaemonNotRunningError(_silence_message(timeout, self.connection)) from None
+                self._silence(key, silent, timeout)
 
-    async def _call(self, msg_type: str, content: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _call(self, msg_type: str, content: dict[str, Any] | None = None, timeout: float = SILENCE_TIMEOUT_S
+                    ) -> dict[str, Any]:
         msg_id = await self._send(msg_type, content or {})
         try:
-            return _check(await self._wait(f"msg:{msg_id}")).content
+            return _check(await self._wait(f"msg:{msg_id}", timeout)).content
         finally:
             self._queues.pop(f"msg:{msg_id}", None)
 
-    async def health(self) -> dict[str, Any]:
-        return await self._call("health")
+    async def health(self, timeout: float = 5.0) -> dict[str, Any]:
+        return await self._call("health", timeout=timeout)
 
     async def info(self) -> dict[str, Any]:
         return await self._call("info")
@@ -518,15 +531,38 @@ class AsyncClient:
     async def stats(self) -> dict[str, Any]:
         return await self._call("stats")
 
-    async def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
-                       token_ids: list[int] | None = None, request_id: str | None = None,
-                       on_accepted: Callable[[dict[str, Any]], None] | None = None, priority: int = 0,
-                       **params: Any) -> AsyncIterator[Delta | Result]:
-        """Async iterator of :class:`Delta`, ending with one :class:`Result`. Leaving early cancels
-        (close the iterator, ``aclose()``, to cancel at once). ``on_accepted`` gets the daemon's
-        ``accepted`` reply (its ``id`` names the request in the published stats)."""
-        rid = request_id or f"{self._prefix}-{next(self._ids)}"
-        await self._send("generate", _generate_content(rid, prompt, messages, token_ids, True, params, priority))
+    async def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None
+                       ) -> list[int]:
+        return (await self._call("tokenize", _tokenize_content(prompt, messages)))["token_ids"]
+
+    async def shutdown(self) -> dict[str, Any]:
+        return await self._call("shutdown")
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                 token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
+                 on_accepted: Callable[[dict[str, Any]], None] | None = None, priority: int = 0,
+                 **params: Any) -> AsyncIterator[Delta | Result] | Awaitable[Result]:
+        """Start a request, as :meth:`Client.generate`. With ``stream``, an async iterator of
+        :class:`Delta` ending with one :class:`Result`; leaving it early cancels the request
+        (close the iterator, ``aclose()``, to cancel at once). Without, an awaitable of the Result.
+        ``on_accepted`` gets the daemon's ``accepted`` reply (its ``id`` names the request in the
+        published stats)."""
+        rid = request_id or self._new_request_id()
+        content = _generate_content(rid, prompt, messages, token_ids, stream, params, priority)
+        if stream:
+            return self._stream(rid, content, on_accepted)
+        return self._complete(rid, content, on_accepted)
+
+    async def _complete(self, rid: str, content: dict[str, Any],
+                        on_accepted: Callable[[dict[str, Any]], None] | None) -> Result:
+        async for item in self._stream(rid, content, on_accepted):
+            if isinstance(item, Result):
+                return item
+        raise DaemonNotRunningError("the request ended without a result")  # unreachable: _stream yields one
+
+    async def _stream(self, rid: str, content: dict[str, Any],
+                      on_accepted: Callable[[dict[str, Any]], None] | None) -> AsyncIterator[Delta | Result]:
+        await self._send("generate", content)
         key = f"req:{rid}"
         ended = False  # the daemon sent this request's done or error: nothing to cancel
         text: list[str] = []
@@ -554,24 +590,41 @@ class AsyncClient:
             # messages in order, so it has seen the generate; a refused one answers the cancel
             # with an error that lands in the discarded queue like the request's own leftovers.
             if not ended and not self.socket.closed:
-                self._discard.add(key)  # its last messages are still on the way
                 try:
-                    await self.cancel(rid)
+                    await self.cancel(rid, wait=False)
                 except zmq.ZMQError:
-                    pass  # the client is closing
+                    self._abandon(rid)  # the client is closing
             self._queues.pop(key, None)
             self._liveness.ended(key)
 
-    def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> AsyncIterator[Delta | Result]:
+    def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> AsyncIterator[Delta | Result] | Awaitable[Result]:
         return self.generate(messages=messages, **kwargs)
 
-    async def cancel(self, request_id: str) -> None:
-        await self._send("cancel", {"request_id": request_id})
+    async def cancel(self, request_id: str, wait: bool = True) -> None:
+        """Cancel one of this client's requests, as :meth:`Client.cancel`: with ``wait``, returns
+        once it has ended.
 
-    async def subscribe_stats(self) -> AsyncIterator[dict[str, Any]]:
+        Raises:
+            ServerError: ``unknown_request`` if it is not running (finished, or never existed).
+        """
+        if not wait:
+            self._abandon(request_id)  # before the send: its last messages may come at once
+            self._queues.pop(f"req:{request_id}", None)
+        await self._send("cancel", {"request_id": request_id})
+        if wait:
+            try:
+                while _check(await self._wait(f"req:{request_id}")).type != "done":
+                    pass
+            finally:
+                self._queues.pop(f"req:{request_id}", None)
+
+    async def subscribe_stats(self, timeout: float | None = SILENCE_TIMEOUT_S) -> AsyncIterator[dict[str, Any]]:
+        """As :meth:`Client.subscribe_stats`."""
         sub = _stats_socket(self.ctx, self.connection, self.endpoint)
         try:
             while True:
+                if not await sub.poll(None if timeout is None else int(timeout * 1000)):
+                    raise DaemonNotRunningError(_silence_message(timeout, self.connection))
                 stats = _stats_content(self.key, await sub.recv_multipart())
                 if stats is not None:
                     yield stats

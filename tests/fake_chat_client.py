@@ -39,7 +39,7 @@ class FakeClient:
     async def info(self) -> dict[str, Any]:
         return dict(INFO)
 
-    async def subscribe_stats(self) -> AsyncIterator[dict[str, Any]]:
+    async def subscribe_stats(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         while True:
             yield await self.stats.get()
 

@@ -281,6 +281,37 @@ def test_async_client_streams_and_subscribes(daemon, reference) -> None:
     assert published["num_blocks"] > 0 and "decode_tokens_per_s" in published
 
 
+def test_async_client_has_the_sync_clients_calls(daemon) -> None:
+    """One core, one set of calls: the asyncio client tokenizes, answers ``stream=False`` with the
+    Result, and ``cancel`` waits for the request's end, as the blocking one does."""
+    import asyncio
+
+    from llmd.client import AsyncClient
+
+    socket_dir, _ = daemon
+    with Client(socket_dir) as c:
+        want_ids = c.tokenize("Hello world")
+        want = c.generate(token_ids=prompt(11), max_tokens=6, temperature=0, ignore_eos=True, stream=False)
+
+    async def main() -> tuple[list[int], object, dict, str]:
+        async with AsyncClient(socket_dir) as c:
+            ids = await c.tokenize("Hello world")
+            result = await c.generate(token_ids=prompt(11), max_tokens=6, temperature=0, ignore_eos=True,
+                                      stream=False)
+            health = await c.health()
+            stream = c.generate(token_ids=prompt(12), max_tokens=3000, ignore_eos=True, request_id="long")
+            await stream.__anext__()  # running
+            await c.cancel("long")  # returns once it has ended ...
+            with pytest.raises(ServerError) as err:  # ... so it is not running any more
+                await c.cancel("long")
+            await stream.aclose()
+            return ids, result, health, err.value.code
+
+    ids, result, health, code = asyncio.run(asyncio.wait_for(main(), 60))
+    assert ids == want_ids and result.token_ids == want.token_ids and result.finish_reason == "length"
+    assert health["status"] == "ok" and code == "unknown_request"
+
+
 def test_generate_command_uses_the_daemon(daemon, env) -> None:
     socket_dir, _ = daemon
     before = stats(socket_dir)["num_generated_tokens_total"]

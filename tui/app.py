@@ -118,7 +118,7 @@ class ChatApp(App[None]):
     async def follow_stats(self) -> None:
         # NOTE: no timeout around the read: cancelling a pending anext() would close the
         # subscription. A timer (_check_silence) watches for a silent daemon instead.
-        async for stats in self.client.subscribe_stats():
+        async for stats in self.client.subscribe_stats(timeout=None):
             self._last_stats_at = time.monotonic()
             self._set_daemon_gone(False)
             self.last_stats = stats
