@@ -20,7 +20,6 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass
-from functools import cache
 import torch
 
 from llmd.kernels import cpu_profile

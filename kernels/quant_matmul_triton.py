@@ -318,7 +318,6 @@ def _int4_gemm_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, out_ptr, norm_w_p
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     n_groups = K // GROUP_SIZE
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 1:

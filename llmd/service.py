@@ -294,7 +294,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Register ``llmd service install|uninstall|status`` on the CLI's subcommands."""
     service = sub.add_parser("service", help="run the daemon as a user service (systemd on Linux, launchd on macOS)",
                              description="Install the daemon as a service of the current user: it starts with "

@@ -312,6 +312,27 @@ def test_async_client_has_the_sync_clients_calls(daemon) -> None:
     assert health["status"] == "ok" and code == "unknown_request"
 
 
+CLIENT_SIDE_IMPORTS = """
+import json, sys
+from llmd.cli import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "triton")
+               or m.startswith(("llmd.daemon", "llmd.quant", "llmd.kernels.")) and m != "llmd.kernels.cpu_profile")
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("command", [["status"], ["generate", "hi", "--raw", "--max-tokens", "3"]], ids=str)
+def test_client_commands_never_load_the_runtime(daemon, env, command: list[str]) -> None:
+    """`llmd status` and `llmd generate` with a daemon running talk to it and import neither
+    torch nor the runtime: they answer in the time of the request, not of an import."""
+    socket_dir, _ = daemon
+    out = subprocess.run([sys.executable, "-c", CLIENT_SIDE_IMPORTS, *command, "--socket-dir", str(socket_dir)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    report = json.loads(out.stderr.strip().splitlines()[-1])
+    assert report == {"code": 0, "heavy": []}, out.stderr[-2000:]
+
+
 def test_generate_command_uses_the_daemon(daemon, env) -> None:
     socket_dir, _ = daemon
     before = stats(socket_dir)["num_generated_tokens_total"]

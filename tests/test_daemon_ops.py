@@ -103,8 +103,9 @@ def test_background_start_reports_progress_without_timestamps(setup) -> None:
     model_dir, socket_dir, env, tmp = setup
     # NOTE: in a child process, as `llmd chat` runs it: the daemon must not be a child of pytest,
     # or it would stay a zombie after `llmd stop` until pytest reaps it.
-    script = ("import json, sys\nfrom llmd.cli import _start_background, build_parser\nlines = []\n"
-              "_start_background(build_parser().parse_args(sys.argv[1:]), progress=lines.append)\n"
+    script = ("import json, sys\nfrom llmd.cli import build_parser\n"
+              "from llmd.commands.daemon_process import start_background\nlines = []\n"
+              "start_background(build_parser().parse_args(sys.argv[1:]), progress=lines.append)\n"
               "print(json.dumps(lines))\n")
     out = subprocess.run([sys.executable, "-c", script, "start", "--socket-dir", str(socket_dir), "--model",
                           str(model_dir), "--dtype", "float32"], capture_output=True, text=True, env=env, timeout=180)

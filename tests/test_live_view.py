@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tiny_models import make_engine, make_hf_model, save_hf_model
 
-from llmd.daemon.engine.live_view import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_FREE, BLOCK_SHARED
+from llmd.protocol import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_FREE, BLOCK_SHARED
 from llmd.daemon.engine.sampling_params import SamplingParams
 
 

@@ -217,7 +217,7 @@ def test_unsupported_platform(home: Path, monkeypatch: pytest.MonkeyPatch, actio
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    service.add_parser(parser.add_subparsers(dest="command"))
+    service.register(parser.add_subparsers(dest="command"))
     return parser.parse_args(argv)
 
 

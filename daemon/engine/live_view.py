@@ -22,7 +22,7 @@ from typing import Any
 
 from llmd.daemon.engine.block_pool import BlockPool
 from llmd.daemon.engine.sequence import Sequence
-from llmd.protocol import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_FREE, BLOCK_OTHER, BLOCK_SHARED, MAX_OWNER_ROWS
+from llmd.protocol import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_OTHER, BLOCK_SHARED, MAX_OWNER_ROWS
 
 
 @dataclass(slots=True, frozen=True)

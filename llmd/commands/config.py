@@ -1,0 +1,44 @@
+"""``llmd config show|path``: the effective settings and where each comes from; the config
+file's path."""
+
+from __future__ import annotations
+
+import argparse
+
+from llmd.commands.flags import add_settings_flags, settings_of
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    config = sub.add_parser("config", help="the effective configuration and where each value comes from",
+                            description="Settings come from flags, then LLMD_<KEY> environment variables, then "
+                                        "the config file ($LLMD_CONFIG, else $XDG_CONFIG_HOME/llmd/config.toml), "
+                                        "then the defaults.")
+    config_sub = config.add_subparsers(dest="config_command", metavar="{show,path}", required=True)
+    show = config_sub.add_parser("show", help="print every setting, its value and its source; the flags of "
+                                              "`llmd start` show their effect")
+    add_settings_flags(show)
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(func=run_show)
+    config_sub.add_parser("path", help="print where the config file is (or would be)").set_defaults(func=run_path)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    import json
+
+    from llmd.config import config_path
+
+    settings = settings_of(args)
+    if args.json:
+        print(json.dumps({"config_file": str(config_path()), "values": settings.values, "sources": settings.sources}))
+        return 0
+    path = config_path()
+    print(f"config file: {path}{'' if path.exists() else ' (none; every value below is a flag or a default)'}")
+    print(settings.table())
+    return 0
+
+
+def run_path(args: argparse.Namespace) -> int:
+    from llmd.config import config_path
+
+    print(config_path())
+    return 0

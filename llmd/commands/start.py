@@ -1,0 +1,44 @@
+"""``llmd start``: the daemon, in the background (detached, logging to a file) or, with
+``--foreground``, in this process (systemd, debugging)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from llmd.commands.daemon_process import start_background
+from llmd.commands.flags import add_settings_flags, settings_of
+from llmd.commands.runtime import check_quant
+from llmd.errors import LlmdError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    start = sub.add_parser("start", help="start the daemon in the background",
+                           description="Load a model and serve it to local clients over ZeroMQ. Flags override "
+                                       "the config file (`llmd config show`).")
+    add_settings_flags(start)
+    start.add_argument("--foreground", action="store_true", help="stay attached (for systemd and debugging)")
+    start.add_argument("--log-file", default=None, metavar="PATH",
+                       help="with --foreground: log to this file, rotated, instead of stderr (the background "
+                            "start logs to $XDG_STATE_HOME/llmd/llmd.log)")
+    start.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmd.daemon.serve import DaemonOptions, check_tcp, serve
+
+    settings = settings_of(args)
+    check_quant(settings["quant"], settings["group_size"])
+    if not args.foreground:  # here too, so the warning reaches this terminal, not only the log
+        check_tcp(settings["tcp"], settings["allow_remote"])
+    if args.foreground:
+        if args.log_file:
+            from llmd.logs import log_to_file
+
+            log_to_file(Path(args.log_file))
+        try:
+            options = DaemonOptions.from_settings(settings.values, log_file=args.log_file)
+        except ValueError as e:
+            raise LlmdError(str(e)) from None
+        return serve(options)
+    return start_background(args, settings)
