@@ -23,6 +23,7 @@ from torch import nn
 
 from llmd.daemon.config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, dense_linear
+from llmd.daemon.models.llama import PACKED_PROJECTIONS
 from llmd.config import QUANT_SCHEMES
 from llmd.quant.bnb import BNB_SCHEMES, bnb_linear, bnb_unsupported_reason
 from llmd.quant.int4 import Int4Linear
@@ -36,12 +37,7 @@ _FLOAT_GGUF = ("F32", "F16", "BF16")
 # Other GGUF types with 5 or more bits per weight keep more of their precision in INT8.
 _WIDE_GGUF = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 # Projection module paths within a decoder layer, and the checkpoint tensors each is made of.
-PROJECTIONS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
+PROJECTIONS = PACKED_PROJECTIONS
 
 
 @dataclass(slots=True)

@@ -130,14 +130,17 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
 
 
-# Checkpoint name pattern -> (our parameter name, shard index within the fused weight).
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+# The projections of a decoder layer (module paths within it) and the checkpoint tensors each
+# packs, in the order of their rows: declared once, here (the loader, --quant and the tests read it).
+PACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
 }
+# Checkpoint name pattern -> (our parameter name, shard index within the fused weight).
+_FUSED = {part: (ours, shard) for ours, parts in PACKED_PROJECTIONS.items() if len(parts) > 1
+          for shard, part in enumerate(parts)}
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(" + "|".join(re.escape(k) for k in _FUSED) + r")\.(weight|bias)$")
 # Buffers some checkpoints carry that have no parameter here.
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
@@ -461,9 +464,10 @@ class LlamaForCausalLM(nn.Module):
             )
 
     def _num_shards(self, name: str) -> int:
-        if ".qkv_proj." in name:
-            return 3
-        return 2 if ".gate_up_proj." in name else 1
+        for ours, parts in PACKED_PROJECTIONS.items():
+            if f".{ours}." in name:
+                return len(parts)
+        return 1
 
     def _rows(self, name: str, total: int, shard: int | None) -> tuple[int, int]:
         """``(first row, row count)`` of ``shard`` within the fused weight ``name`` (all rows if None)."""

@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
     if connection is None:
         from llmd.daemon.model_source import resolve_model
 
+        check_quant(settings["quant"], settings["group_size"])  # only here: the daemon gets no such flags
         resolve_model(settings["model"], settings["models_dir"])  # a wrong --model is the error to report
         logging.getLogger("llmd").info("no llmd daemon is running: loading the model in this process "
                                        "(`llmd start` keeps it loaded for every request)")
-        check_quant(settings["quant"], settings["group_size"])  # only here: the daemon gets no such flags
         return _generate_in_process(args, settings, prompt)
     return _generate_with_daemon(args, prompt, connection)
 
