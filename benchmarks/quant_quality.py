@@ -29,7 +29,7 @@ MODULES = ["json", "inspect", "argparse", "collections", "pathlib", "functools",
 
 @torch.inference_mode()
 def perplexity(model, ids: list[int], window: int) -> float:
-    from llmd.daemon.generate import Generator
+    from llmd.daemon.reference_generator import Generator
 
     gen = Generator(model)
     nll, count = 0.0, 0

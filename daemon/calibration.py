@@ -44,7 +44,7 @@ def calibration_ids(tokenizer, num_tokens: int = CALIBRATION_TOKENS) -> list[int
 def projection_importance(model: nn.Module, token_ids: list[int], paths: Sequence[str]) -> dict[str, torch.Tensor]:
     """``{module path: [in_features]}`` mean squared input of each projection in ``paths`` over one
     forward pass of ``token_ids`` through the (dense) ``model``."""
-    from llmd.daemon.generate import Generator
+    from llmd.daemon.reference_generator import Generator
     from llmd.quant.int4_fit import input_importance
 
     modules = {model.get_submodule(p): p for p in paths}

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from llmd.daemon.attention import AttentionBackend
-from llmd.daemon.config import ModelConfig, config_from_hf
+from llmd.daemon.model_config import ModelConfig, config_from_hf
 from llmd.daemon.model_source import ModelSource
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.daemon.models.llama import head_weight_name

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmd.daemon.config import ModelConfig
+from llmd.daemon.model_config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, dense_linear
 from llmd.daemon.models.llama import PACKED_PROJECTIONS
 from llmd.config import QUANT_SCHEMES

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmd.daemon.config import ModelConfig
+from llmd.daemon.model_config import ModelConfig
 from llmd.daemon.model_source import ModelSource
 from llmd.errors import InvalidModelError
 

@@ -20,7 +20,7 @@ from tiny_models import make_hf_model, save_hf_model
 
 from llmd.client import Client, DaemonNotRunningError, ServerError
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.daemon.quantization import QuantConfig

@@ -14,7 +14,7 @@ import torch
 from tiny_models import make_hf_model, save_hf_model
 
 from llmd.daemon.attention import CpuAttentionBackend
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.kernels import native

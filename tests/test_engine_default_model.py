@@ -11,7 +11,7 @@ import torch
 from tiny_models import run_engine
 
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 
 pytestmark = pytest.mark.slow
 

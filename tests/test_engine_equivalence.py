@@ -11,7 +11,7 @@ import torch
 from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
 
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

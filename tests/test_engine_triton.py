@@ -198,7 +198,7 @@ def test_generator_on_the_triton_backend(tmp_path: Path) -> None:
     """The one-sequence Generator (INT4 calibration at load, `llmd bench` perplexity) on the Triton
     backend: its cache is blocks of 16 (one block of the whole prompt was refused), and its logits
     are the torch backend's."""
-    from llmd.daemon.generate import Generator
+    from llmd.daemon.reference_generator import Generator
 
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
     prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()

@@ -11,7 +11,7 @@ import torch
 from tiny_models import hf_greedy, make_hf_model, write_llama_gguf
 
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import ModelSource, resolve_model
 from llmd.daemon.tokenizer import encode_prompt, load_tokenizer, stop_token_ids

@@ -18,7 +18,7 @@ from test_attention_triton import CASES, SEQ_LENS, PagedBatch, check_decode_from
 from test_norm_act_triton import ulps
 from test_quant_triton import CANARY, rel_err, weight
 
-from llmd.daemon.config import RopeConfig
+from llmd.daemon.model_config import RopeConfig
 from llmd.daemon.models.layers import RMSNorm, RotaryEmbedding, rope_torch
 from llmd.kernels import attention_ref as ref
 from llmd.kernels import attention_triton as at
@@ -162,7 +162,7 @@ def test_the_default_model_on_the_gpu(cuda_graphs: bool) -> None:
     """The default model on the GPU (auto dtype, Triton everything) answers as on the CPU: the
     canary's margin, and greedy tokens of a batch equal with and without CUDA graphs."""
     from llmd import LLM, SamplingParams
-    from llmd.daemon.generate import Generator
+    from llmd.daemon.reference_generator import Generator
 
     llm = LLM(device="cuda", cuda_graphs=cuda_graphs)
     prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])

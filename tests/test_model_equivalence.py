@@ -13,7 +13,7 @@ import torch
 from tiny_models import TINY_CONFIGS, hf_greedy, make_hf_model, save_hf_model
 
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 

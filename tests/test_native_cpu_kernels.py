@@ -271,7 +271,7 @@ def test_cpu_backend_takes_the_reference_for_other_cache_dtypes() -> None:
 def test_rope_matches_reference_on_strided_views(lib, dtype, tokens: int) -> None:
     """q and k as views into one fused qkv row, as the attention layer has them; rotated in place.
     The same products and roundings as the reference: equal (fp32 bit for bit)."""
-    from llmd.daemon.config import RopeConfig
+    from llmd.daemon.model_config import RopeConfig
     from llmd.daemon.models.layers import RotaryEmbedding, rope_torch
     from llmd.kernels import rope_cpu
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from gpu_compile import compile_for_gpu
 
-from llmd.daemon.config import RopeConfig
+from llmd.daemon.model_config import RopeConfig
 from llmd.daemon.models.layers import RMSNorm, RotaryEmbedding, rope_torch
 from llmd.kernels import norm_act_triton as na
 

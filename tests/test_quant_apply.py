@@ -14,7 +14,7 @@ import torch
 from tiny_models import make_hf_model, save_hf_model, write_llama_gguf
 
 from llmd.cli import main
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.daemon.weights.gguf_file import hf_name, unpermute_qk

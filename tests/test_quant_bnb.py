@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
 
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.quant import bnb

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.kernels import native

@@ -11,7 +11,7 @@ from tiny_models import make_engine, make_hf_model, make_tiny_tokenizer, run_eng
 from llmd.daemon.engine.detokenizer import RequestDetokenizer
 from llmd.daemon.engine.sampler import SampleRequest, Sampler
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.generate import Generator
+from llmd.daemon.reference_generator import Generator
 from llmd.errors import RequestError
 
 

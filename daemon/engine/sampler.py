@@ -156,7 +156,7 @@ class Sampler:
 def _counts_from_lists(rows: list[SampleRequest], penalised: list[bool], vocab: int,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts, seen)`` as llmd.daemon.engine.penalty_counts keeps them, built from the rows'
-    token lists in one scatter each (rows without a key: llmd.daemon.generate, tests)."""
+    token lists in one scatter each (rows without a key: llmd.daemon.reference_generator, tests)."""
     batch = len(rows)
     count_at = [i * vocab + t for i, (r, p) in enumerate(zip(rows, penalised)) if p
                 for t in r.output_token_ids if t < vocab]

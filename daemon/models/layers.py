@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.daemon.config import RopeConfig
+from llmd.daemon.model_config import RopeConfig
 from llmd.kernels import rope_cpu
 
 

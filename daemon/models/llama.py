@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmd.daemon.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from llmd.daemon.config import ModelConfig
+from llmd.daemon.model_config import ModelConfig
 from llmd.daemon.models.layer_ops import LayerOps, Rotate, layer_ops_for
 from llmd.daemon.models.layers import Linear, LinearFactory, RMSNorm, RotaryEmbedding, dense_linear
 from llmd.errors import WeightMismatchError

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmd.daemon.config import ModelConfig, RopeConfig, supported_models_line
+from llmd.daemon.model_config import ModelConfig, RopeConfig, supported_models_line
 from llmd.errors import CorruptModelError, InvalidModelError, UnsupportedModelError, UnsupportedTensorTypeError
 from llmd.quant.int4 import Int4Weight
 from llmd.quant.int8 import Int8Weight
