@@ -235,37 +235,59 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
 
     if NEW_KV:
         if split == num_splits - 1:  # the new token: always visible, attended last, then stored
-            # (k and v loaded here, not before the loop: registers held across it spilled on sm_75)
-            cos, sin = _rope_angles(pos_ptr + seq, inv_freq_ptr, d, mask_d, q_ptr.dtype.element_ty, HEAD_DIM)
-            # a qkv row holds the heads q..., k..., v..., each stride_qh apart
-            k_row = seq * stride_qt + (num_heads + kv_head) * stride_qh
-            k_new = _rope_tile(q_ptr, k_row + d[None, :], k_row + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
-                               mask_d[None, :], d, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)  # [1, BLOCK_D]
-            v_row = seq * stride_qt + (num_heads + num_kv_heads + kv_head) * stride_qh
-            v_new = tl.load(q_ptr + v_row + d[None, :], mask=mask_d[None, :], other=0.0)
-            s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2
-            m_new = tl.maximum(m_i, s)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new).to(v_new.dtype).to(tl.float32)  # rounded as P is before P @ V
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
-            m_i = m_new
-            slot = tl.load(slot_ptr + seq).to(tl.int64)
-            # A negative slot (a padding row) writes nothing: its row width is 0 (see _write_kv_kernel).
-            width = tl.where(slot >= 0, HEAD_DIM, 0)
-            dst = (slot // BLOCK_N) * stride_cb + (slot % BLOCK_N) * stride_cs + kv_head * stride_ch + d[None, :]
-            tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d[None, :] < width)
-            tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=d[None, :] < width)
+            m_i, l_i, acc = _attend_new_token(q, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, inv_freq_ptr,
+                                              k_norm_ptr, m_i, l_i, acc, seq, kv_head, num_heads, num_kv_heads,
+                                              scale_log2, eps, d, mask_d, stride_qt, stride_qh, stride_cb,
+                                              stride_cs, stride_ch, HEAD_DIM, QK_NORM, BLOCK_N)
+    _finish_splits(m_i, l_i, acc, out_ptr, part_ptr, lse_ptr, count_ptr, seq, kv_head, split, num_splits,
+                   num_heads, num_kv_heads, heads, d, mask_g, mask_q, stride_ot, stride_oh, BLOCK_G, BLOCK_D)
 
+
+@triton.jit
+def _attend_new_token(q, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, inv_freq_ptr, k_norm_ptr, m_i, l_i,
+                      acc, seq, kv_head, num_heads, num_kv_heads, scale_log2, eps, d, mask_d, stride_qt, stride_qh,
+                      stride_cb, stride_cs, stride_ch, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """One more step of the online softmax: the new token's key and value, from the qkv row
+    (RoPE'd, q/k-normed), then both written to the token's slot. Loaded here, after the loop over
+    the cache, not before it: registers held across the loop spilled on sm_75."""
+    cos, sin = _rope_angles(pos_ptr + seq, inv_freq_ptr, d, mask_d, q_ptr.dtype.element_ty, HEAD_DIM)
+    # a qkv row holds the heads q..., k..., v..., each stride_qh apart
+    k_row = seq * stride_qt + (num_heads + kv_head) * stride_qh
+    k_new = _rope_tile(q_ptr, k_row + d[None, :], k_row + ((d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
+                       mask_d[None, :], d, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)  # [1, BLOCK_D]
+    v_row = seq * stride_qt + (num_heads + num_kv_heads + kv_head) * stride_qh
+    v_new = tl.load(q_ptr + v_row + d[None, :], mask=mask_d[None, :], other=0.0)
+    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new).to(v_new.dtype).to(tl.float32)  # rounded as P is before P @ V
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    # A negative slot (a padding row) writes nothing: its row width is 0 (see _write_kv_kernel).
+    width = tl.where(slot >= 0, HEAD_DIM, 0)
+    dst = (slot // BLOCK_N) * stride_cb + (slot % BLOCK_N) * stride_cs + kv_head * stride_ch + d[None, :]
+    tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d[None, :] < width)
+    tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=d[None, :] < width)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish_splits(m_i, l_i, acc, out_ptr, part_ptr, lse_ptr, count_ptr, seq, kv_head, split, num_splits,
+                   num_heads, num_kv_heads, heads, d, mask_g, mask_q, stride_ot, stride_oh,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a decode program's result: straight to the output with one split; with several, its
+    partial and log-sum-exp in the shared workspace (part ``[B, H, splits, BLOCK_D]`` and lse
+    ``[B, H, splits]``, fp32), and the last program of a (sequence, KV head) to arrive combines the
+    splits in split order (deterministic) and resets its arrival counter: one launch, no reduction
+    kernel."""
     # An empty split (more splits than blocks) has l_i = 0: its partial is 0 with weight 0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
     if num_splits == 1:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_q)
     else:
-        # part [B, H, splits, BLOCK_D] and lse [B, H, splits], fp32, from the shared workspace. The
-        # last program of a (sequence, KV head) to arrive combines the splits in split order
-        # (deterministic) and resets its arrival counter: one launch, no reduction kernel.
         rows = (seq * num_heads + heads) * num_splits
         tl.store(part_ptr + (rows + split)[:, None] * BLOCK_D + d[None, :], out, mask=mask_q)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
