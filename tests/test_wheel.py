@@ -53,3 +53,19 @@ def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
     check_installed()
     run(pip, "install", "--quiet", "--no-deps", "--force-reinstall", sdists[0], cwd=tmp_path)
     check_installed()
+
+
+def test_every_package_is_in_pyproject() -> None:
+    """A package left out of ``packages`` is missing from the wheel, though the editable install
+    and the repo's own runs still find it: fail fast here, not only in the minute-long build above."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for name, folder in setuptools["package-dir"].items():
+        root = REPO / folder
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(root).parts
+            if "__pycache__" not in parts:
+                found.add(".".join((name, *parts)))
+    assert found == set(setuptools["packages"])
