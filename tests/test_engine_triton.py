@@ -181,10 +181,10 @@ def test_the_checkpoints_q8_head_on_the_triton_path(tmp_path: Path) -> None:
 
     path = write_llama_gguf(make_hf_model("llama"), tmp_path / "q8.gguf", quantize_type="Q8_0")
     model = load_model(resolve_model(path), quant=QuantConfig("auto")).model
-    assert model.head_q8 is not None  # the native head: the checkpoint's blocks, kept
+    assert model.head_q8 is not None and model.head_q8.kernel == "native"  # the checkpoint's blocks, kept
     model.attn_backend = TritonAttentionBackend()
     model.use_triton_kernels()
-    assert isinstance(model.head_q8, FusedMatmul)
+    assert model.head_q8.kernel == "triton" and isinstance(model.head_q8.matmul, FusedMatmul)
     assert model.kernels()["lm_head"] == "Triton int8 (the checkpoint's Q8_0)"
     dense = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
     for rows in (1, 40):

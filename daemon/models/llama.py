@@ -16,7 +16,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -31,6 +31,7 @@ from llmd.errors import WeightMismatchError
 from llmd.kernels import cpu_profile, decode_cpu, quant_cpu
 from llmd.kernels.decode_cpu import DecodeStep
 from llmd.quant.int8 import Int8Weight, dequantize_int8
+from llmd.quant.int8_head import Int8Head
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +176,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
-        # The head's Q8_0 blocks when the checkpoint has them (GGUF): kept by load_weights, held for
-        # the native kernels from prepare_head() on (on the CPU, where the library builds).
+        # The head's Q8_0 blocks when the checkpoint has them (GGUF): kept by load_weights, bound to
+        # their kernel by prepare_head() (llmd.quant.int8_head).
         self._head_blocks: Int8Weight | None = None
-        self.head_q8: Callable[[torch.Tensor], torch.Tensor] | None = None  # -> fp32 logits
+        self.head_q8: Int8Head | None = None
         # Pure decode steps in one native call on the CPU, or five fused launches per layer on the
         # Triton path (prepare_decode), where every layer can take it.
         self.decode_step: FusedDecodeStep | None = None
@@ -265,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         out = {"projections": ", ".join(names.get(p, p) for p in paths) or f"dense {str(self.dtype)[6:]}",
                "decode": decode, "attention": self.attn_backend.name, "lm_head": f"dense {str(self.dtype)[6:]}"}
         if self.head_q8 is not None:
-            where = "native" if isinstance(self.head_q8, quant_cpu.PackedWeight) else "Triton"
+            where = "Triton" if self.head_q8.kernel == "triton" else "native"
             out["lm_head"] = f"{where} int8 (the checkpoint's Q8_0)"
         if device == "cpu":
             out["cpu_profile"] = cpu_profile.describe()
@@ -273,48 +274,26 @@ class LlamaForCausalLM(nn.Module):
 
     def use_triton_kernels(self) -> None:
         """Bind what loading on a GPU binds, on whatever device the model is: the projections on the
-        Triton INT4/INT8 matmuls, the LM head dense, and with the Triton attention backend the fused
+        Triton INT4/INT8 matmuls, the Q8_0 LM head on the Triton INT8 one, and with the Triton attention backend the fused
         Triton decode step. On the CPU only under TRITON_INTERPRET=1, to test and count the GPU path
         here (tests, benchmarks/decode_launches.py); the attention backend is the caller's (Triton,
         for the whole GPU path)."""
         for module in self.modules():
             if hasattr(module, "cpu_path") and hasattr(module, "use"):  # llmd.quant's INT4/INT8 layers
                 module.use("triton")
-        head = self.head_q8
-        self.head_q8 = None
-        if isinstance(head, quant_cpu.PackedWeight):  # the checkpoint's Q8_0 head, as a GPU holds it
-            self.head_q8 = self._triton_head(Int8Weight(*quant_cpu.unpack_q8x8(head.w, head.scales, head.n),
-                                                        head.group_size))
+        if self.head_q8 is not None and self.head_q8.kernel == "native":  # the Q8_0 head, as a GPU holds it
+            self.head_q8 = Int8Head(self.head_q8.weight(), "triton", self.model.embed_tokens.weight.device,
+                                    self.dtype)
         self.prepare_decode()
 
-    def _triton_head(self, q8: Int8Weight) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The head's Q8_0 blocks on the Triton INT8 matmul, fp32 logits straight from its sums: on a
-        GPU the head is the largest weight a decode step reads (SmolLM2-135M: 57 MB in bf16, 30 MB
-        so, of ~115 MB a token), the dense copy stays for the embedding lookups."""
-        from llmd.kernels.quant_matmul_triton import fused_int8
-
-        device = self.model.embed_tokens.weight.device
-        return fused_int8(q8.qweight.to(device), q8.scales.to(device), q8.group_size, self.dtype,
-                          out_dtype=torch.float32)
-
     def prepare_head(self) -> None:
-        """Once loaded: hold the head's Q8_0 blocks for the native INT8 matmul
-        (llmd.kernels.quant_cpu, activations quantised to int8 as llama.cpp does) where the library
-        builds, whatever the model dtype: the checkpoint's own weights at half the bytes of a bf16
-        copy and a quarter of fp32's (measured on the 49152 x 576 head of SmolLM2-135M, 2-core Zen 3,
-        one row: 1.7 ms vs 12.6 ms for the fp32 matmul; 16 rows: 7.3 vs 33 ms). The int8 activations
-        move log-probabilities by ~0.04 nats on average and a text's perplexity by ~0.01%
-        (tests/test_quant_native.py, test_quality.py). The dense copy stays for the embedding
-        lookups. On a GPU the blocks go to the Triton INT8 matmul (:meth:`_triton_head`); without
-        the library the dense copy is the head too."""
+        """Once loaded: bind the head's Q8_0 blocks to the kernel for the device
+        (:meth:`Int8Head.for_device`: native INT8 on the CPU where the library builds, Triton INT8 on
+        a GPU), whatever the model dtype. The dense copy stays for the embedding lookups, and is the
+        head too where neither kernel runs."""
         q8, self._head_blocks = self._head_blocks, None
-        device = self.model.embed_tokens.weight.device
-        if q8 is None:
-            return
-        if device.type == "cuda":
-            self.head_q8 = self._triton_head(q8)
-        elif q8.group_size % quant_cpu.QK == 0 and quant_cpu.cpu_path(torch.float32, q8.shape[1]) == "native":
-            self.head_q8 = quant_cpu.PackedWeight.from_int8(q8)
+        if q8 is not None:
+            self.head_q8 = Int8Head.for_device(q8, self.model.embed_tokens.weight.device, self.dtype)
 
     def prepare_decode(self, lib: ctypes.CDLL | None = None) -> None:
         """Once loaded (after the projections' prepare()): run pure decode steps through a fused
