@@ -12,7 +12,7 @@ from typing import Any
 
 from llmd.daemon.engine.engine import LLMEngine
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.engine.sequence import MAX_PRIORITY, MIN_PRIORITY
+from llmd.daemon.engine.sequence import check_priority
 from llmd.daemon.prompt_encoder import PromptEncoder
 from llmd.daemon.transport import Reply
 from llmd.errors import PromptTooLongError, RequestError
@@ -90,14 +90,13 @@ class Intake:
         if not isinstance(stream, bool):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "stream must be true or false")
         priority = c.get("priority", 0)
-        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
         raw_params = c.get("params", {})
         if not isinstance(raw_params, dict) or set(raw_params) - _PARAM_FIELDS:
             unknown = sorted(set(raw_params) - _PARAM_FIELDS) if isinstance(raw_params, dict) else raw_params
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"params must be a map of sampling parameters; "
                                                       f"unknown: {unknown!r}")
         try:
+            check_priority(priority)
             params = SamplingParams(**raw_params)
         except (RequestError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None

@@ -184,6 +184,9 @@ def test_too_long_and_bad_params_are_typed_errors(daemon) -> None:
             c.generate(token_ids=[1, 99999], stream=False)  # out of vocabulary
         with pytest.raises(ServerError, match="bad_request"):
             c.generate(token_ids=[1, 2], no_such_param=1, stream=False)
+        for priority in (11, True, "1"):
+            with pytest.raises(ServerError, match=r"priority must be an integer from -10 to 10.*\(bad_request\)"):
+                c.generate(token_ids=[1, 2], priority=priority, stream=False)
         assert c.generate(token_ids=[1, 2], max_tokens=3, stream=False).finish_reason in ("stop", "length")
 
 

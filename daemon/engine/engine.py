@@ -19,7 +19,7 @@ from llmd.daemon.engine.model_runner import ModelRunner, kv_block_bytes
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import Scheduler, SchedulerConfig
-from llmd.daemon.engine.sequence import MAX_PRIORITY, MIN_PRIORITY, FinishReason, Sequence
+from llmd.daemon.engine.sequence import FinishReason, Sequence, check_priority
 from llmd.daemon.engine.stats import EngineStats, ThroughputMeter
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
@@ -188,8 +188,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
-        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-            raise RequestError(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r}")
+        check_priority(priority)
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad!r} is outside the vocabulary (0..{self.vocab_size - 1})")

@@ -13,9 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.errors import RequestError
 
 
 MIN_PRIORITY, MAX_PRIORITY = -10, 10  # a request's priority: higher is scheduled sooner
+
+
+def check_priority(priority: Any) -> None:
+    """Raises RequestError unless ``priority`` is an int in MIN_PRIORITY..MAX_PRIORITY (the engine's
+    check, and the daemon's before it spends a tokenisation on the request)."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise RequestError(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r}")
 
 
 class SequenceStatus(enum.Enum):
