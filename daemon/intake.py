@@ -14,9 +14,10 @@ from llmd.daemon.engine.engine import LLMEngine
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.sequence import check_priority
 from llmd.daemon.prompt_encoder import PromptEncoder
+from llmd.daemon.request_metrics import RequestMetrics
 from llmd.daemon.transport import Reply
 from llmd.errors import PromptTooLongError, RequestError
-from llmd.protocol import ErrorCode, Message, ProtocolError, require_str
+from llmd.protocol import ErrorCode, Message, ProtocolError, parse_context_limit, require_str
 
 log = logging.getLogger("llmd.server")
 
@@ -36,10 +37,23 @@ class LiveRequest:
     public_id: str  # how the stats stream names it (request ids are private to their client)
     params: SamplingParams
     priority: int = 0
+    context_limit: int | None = None  # prompt + output at most this many tokens: max_tokens lowered to fit
     encoding: Future[list[int]] | None = None  # set until the prompt's tokens are ready
     text: list[str] = field(default_factory=list)  # collected for stream=False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+
+
+def _fit_context(live: LiveRequest, ids: list[int], max_request_tokens: int) -> None:
+    """A request with a ``context_limit`` asks for as many tokens as fit after its prompt, up to its
+    max_tokens (the HTTP APIs' default: generate until the context is full)."""
+    if live.context_limit is None:
+        return
+    limit = min(live.context_limit, max_request_tokens)
+    if len(ids) >= limit:
+        raise PromptTooLongError(f"the prompt is {len(ids)} tokens; this request's context holds {limit} "
+                                 "(prompt and output): shorten the prompt")
+    live.params.max_tokens = min(live.params.max_tokens, limit - len(ids))
 
 
 def request_key(identity: bytes, request_id: str) -> str:
@@ -55,15 +69,19 @@ class Intake:
         max_queue_len: waiting requests (queued or encoding) beyond which new ones are refused.
         reply: queues a reply to a client.
         wake: called from the worker thread when an encoding finishes (wakes the loop).
+        new_public_id: names a client's new request in the stats stream.
+        metrics: counts the requests refused once their prompt is encoded.
     """
 
     def __init__(self, engine: LLMEngine, live: dict[str, LiveRequest], max_queue_len: int,
                  reply: Callable[[bytes, Reply], None], wake: Callable[[Future[list[int]]], None],
-                 new_public_id: Callable[[bytes], str]) -> None:
+                 new_public_id: Callable[[bytes], str], metrics: RequestMetrics | None = None) -> None:
         self.engine, self.live, self.max_queue_len = engine, live, max_queue_len
+        self.metrics = metrics or RequestMetrics()
         self._reply, self._wake, self._new_public_id = reply, wake, new_public_id
         self.encoder = PromptEncoder(engine.tokenizer, engine.max_request_tokens)
-        self._encoding_replies: list[tuple[Future[list[int]], bytes, str]] = []  # `tokenize` requests
+        # `tokenize` and `detokenize` requests: (future, client, parent, reply type, the reply's field)
+        self._encoding_replies: list[tuple[Future[Any], bytes, str, str, str]] = []
         self._fresh: list[Future[list[int]]] = []  # encodings started in this loop turn
 
     def close(self) -> None:
@@ -90,6 +108,7 @@ class Intake:
         if not isinstance(stream, bool):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "stream must be true or false")
         priority = c.get("priority", 0)
+        context_limit = parse_context_limit(c.get("context_limit"))
         raw_params = c.get("params", {})
         if not isinstance(raw_params, dict) or set(raw_params) - _PARAM_FIELDS:
             unknown = sorted(set(raw_params) - _PARAM_FIELDS) if isinstance(raw_params, dict) else raw_params
@@ -100,7 +119,8 @@ class Intake:
             params = SamplingParams(**raw_params)
         except (RequestError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
-        live = LiveRequest(identity, rid, msg.msg_id, stream, 0, self._new_public_id(identity), params, priority)
+        live = LiveRequest(identity, rid, msg.msg_id, stream, 0, self._new_public_id(identity), params, priority,
+                           context_limit)
         live.encoding = self.encoder.submit(c)
         live.encoding.add_done_callback(self._wake)
         self._fresh.append(live.encoding)
@@ -109,9 +129,16 @@ class Intake:
 
     def tokenize(self, identity: bytes, msg: Message) -> None:
         """Start encoding a ``tokenize``'s prompt; :meth:`collect` answers it."""
-        future = self.encoder.submit(msg.content)
+        self._encode_for_reply(self.encoder.submit(msg.content), identity, msg.msg_id, "tokens", "token_ids")
+
+    def detokenize(self, identity: bytes, msg: Message) -> None:
+        """Start decoding a ``detokenize``'s ids; :meth:`collect` answers it."""
+        self._encode_for_reply(self.encoder.submit_pieces(msg.content), identity, msg.msg_id, "pieces", "pieces")
+
+    def _encode_for_reply(self, future: Future[Any], identity: bytes, parent: str, reply_type: str,
+                          field_name: str) -> None:
         future.add_done_callback(self._wake)
-        self._encoding_replies.append((future, identity, msg.msg_id))
+        self._encoding_replies.append((future, identity, parent, reply_type, field_name))
 
     def collect(self) -> None:
         """Queue the requests whose prompts are encoded (``accepted``, or their error); answer
@@ -123,6 +150,7 @@ class Intake:
             future, live.encoding = live.encoding, None
             try:
                 ids = future.result()
+                _fit_context(live, ids, self.engine.max_request_tokens)
                 self.engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority)
             except ProtocolError as e:
                 self._refuse(key, e.code, str(e))
@@ -141,16 +169,16 @@ class Intake:
             self._reply(live.identity, ("accepted", {"request_id": live.request_id, "prompt_tokens": len(ids),
                                                      "id": live.public_id}, live.parent))
         pending = []
-        for future, identity, parent in self._encoding_replies:
+        for future, identity, parent, reply_type, field_name in self._encoding_replies:
             if not future.done():
-                pending.append((future, identity, parent))
+                pending.append((future, identity, parent, reply_type, field_name))
                 continue
             try:
-                self._reply(identity, ("tokens", {"token_ids": future.result()}, parent))
+                self._reply(identity, (reply_type, {field_name: future.result()}, parent))
             except ProtocolError as e:
                 self._reply(identity, ("error", {"code": e.code, "message": str(e)}, parent))
             except Exception as e:
-                log.exception("failed to tokenize")
+                log.exception("failed to %s", "tokenize" if reply_type == "tokens" else "detokenize")
                 self._reply(identity, ("error", {"code": ErrorCode.INTERNAL, "message": f"{type(e).__name__}: {e}"},
                                        parent))
         self._encoding_replies = pending
@@ -164,6 +192,7 @@ class Intake:
             self._fresh.clear()
 
     def _refuse(self, key: str, code: str, message: str) -> None:
+        self.metrics.refuse(code)
         live = self.live.pop(key)
         self._reply(live.identity, ("error", {"code": code, "message": message, "request_id": live.request_id},
                                     live.parent))

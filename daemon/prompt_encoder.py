@@ -19,7 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from llmd.daemon.tokenizer import chat_token_ids, has_chat_template
-from llmd.protocol import ErrorCode, ProtocolError, parse_messages, parse_prompt, parse_token_ids
+from llmd.protocol import (MAX_DETOKENIZE_IDS, ErrorCode, ProtocolError, parse_messages, parse_prompt,
+                           parse_token_ids)
 
 # NOTE: a normaliser (NFKC...) can shrink text before tokenising (a 4-byte character becoming one
 # byte at worst), so for such tokenizers the byte bound is scaled by that much.
@@ -39,7 +40,7 @@ def max_token_bytes(tokenizer: Any) -> int:
 
 class PromptEncoder:
     """Encodes ``generate`` and ``tokenize`` contents (exactly one of ``prompt``, ``messages``,
-    ``token_ids``) on one worker thread.
+    ``token_ids``) on one worker thread, and decodes ``detokenize``'s ids there too.
 
     Args:
         tokenizer: the model's transformers tokenizer.
@@ -58,6 +59,10 @@ class PromptEncoder:
         (``bad_request`` for a malformed prompt or refused template, ``too_long`` when the prompt
         cannot fit)."""
         return self._pool.submit(self.encode, content)
+
+    def submit_pieces(self, content: dict[str, Any]) -> Future[list[str]]:
+        """Start a ``detokenize``: the future's result is each token's text (see :meth:`pieces`)."""
+        return self._pool.submit(self.pieces, content)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -92,6 +97,17 @@ class PromptEncoder:
         prompt = parse_prompt(content["prompt"])
         self._check_bytes(len(prompt.encode("utf-8", "surrogatepass")))
         return [int(t) for t in self.tokenizer.encode(prompt)]
+
+    def pieces(self, content: dict[str, Any]) -> list[str]:
+        """Each of ``content["token_ids"]``'s text on its own (a token that is part of a UTF-8
+        character reads as U+FFFD, as the OpenAI API shows it)."""
+        ids = parse_token_ids(content.get("token_ids"), MAX_DETOKENIZE_IDS)
+        if not all(0 <= t < 2**31 for t in ids):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids must be in [0, 2**31)")
+        try:
+            return [self.tokenizer.decode([t]) for t in ids]
+        except (ValueError, TypeError, OverflowError) as e:  # an id past the vocabulary, in some tokenizers
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot decode those token ids: {e}") from None
 
     def _check_bytes(self, num_bytes: int) -> None:
         if num_bytes > self.max_prompt_bytes:

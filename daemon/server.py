@@ -80,7 +80,7 @@ class Server:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.intake = Intake(engine, self.live, config.max_queue_len, self.transport.queue, self._wake,
-                             self.reporter.new_public_id)
+                             self.reporter.new_public_id, self.reporter.requests)
         self.stopping = False
         self.drain_deadline: float | None = None
         self.num_step_failures = 0
@@ -164,6 +164,8 @@ class Server:
             try:
                 self._handle(identity, msg)
             except ProtocolError as e:
+                if msg.type == "generate":
+                    self.reporter.requests.refuse(e.code)
                 self._error(identity, msg.msg_id, e.code, str(e), rid)
             except Exception as e:  # a bug must cost one request, never the daemon
                 log.exception("failed to handle a %s message", msg.type)
@@ -185,6 +187,8 @@ class Server:
             self._reply(identity, ("info", self.reporter.info(), msg.msg_id))
         elif msg.type == "tokenize":
             self.intake.tokenize(identity, msg)
+        elif msg.type == "detokenize":
+            self.intake.detokenize(identity, msg)
         elif msg.type == "health":
             self._reply(identity, ("health", {"status": "stopping" if self.stopping else "ok"}, msg.msg_id))
         elif msg.type == "ping":
@@ -250,6 +254,8 @@ class Server:
         if live is None:
             return
         m = delta.metrics if delta is not None else None
+        self.reporter.requests.finished(reason, m.ttft if m else None, m.e2e if m else None,
+                                        m.num_generated_tokens if m else 0)
         content: dict[str, Any] = {"request_id": live.request_id, "finish_reason": reason}
         if not live.stream:
             content["text"] = "".join(live.text)
@@ -274,6 +280,7 @@ class Server:
         for key, live in list(self.live.items()):
             self.engine.abort_request(key)
             self.live.pop(key)
+            self.reporter.requests.failed()
             self._reply(live.identity, ("error", {"request_id": live.request_id, "code": code,
                                                   "message": message}, live.parent))
         self._flush()
@@ -284,6 +291,7 @@ class Server:
         for key in keys:
             self.engine.abort_request(key)
             self.live.pop(key)
+            self.reporter.requests.failed()
         if keys:
             log.info("client %s went away; aborted %d request(s)", identity.hex(), len(keys))
 

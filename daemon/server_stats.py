@@ -14,6 +14,7 @@ from typing import Any
 from llmd import __version__
 from llmd.daemon.engine.engine import LLMEngine
 from llmd.daemon.intake import LiveRequest
+from llmd.daemon.request_metrics import RequestMetrics
 
 
 class ServerStats:
@@ -29,6 +30,7 @@ class ServerStats:
         self._public_ids = itertools.count(1)
         self._owners: dict[bytes, int] = {}  # client -> its number in the stats stream
         self._owner_numbers = itertools.count(1)
+        self.requests = RequestMetrics()
 
     def new_public_id(self, identity: bytes) -> str:
         """The public id of a client's new request; numbers the client if it is new."""
@@ -40,7 +42,8 @@ class ServerStats:
         """The engine's counters, uptime, the clients with requests in flight, and ``daemon``'s
         own counters (dropped messages, step failures, stopping, the model's state...)."""
         s = self.engine.stats().to_dict()
-        s.update(uptime_s=time.time() - self.started, num_clients=len({r.identity for r in live.values()}), **daemon)
+        s.update(uptime_s=time.time() - self.started, num_clients=len({r.identity for r in live.values()}),
+                 **self.requests.to_dict(), **daemon)
         return s
 
     def info(self) -> dict[str, Any]:

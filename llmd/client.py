@@ -193,14 +193,16 @@ def _accept(key: bytes, frames: list[bytes], discard: set[str]) -> tuple[str, Me
 
 
 def _generate_content(request_id: str, prompt: str | None, messages: list[dict[str, str]] | None,
-                      token_ids: list[int] | None, stream: bool, params: dict[str, Any], priority: int = 0
-                      ) -> dict[str, Any]:
+                      token_ids: list[int] | None, stream: bool, params: dict[str, Any], priority: int = 0,
+                      context_limit: int | None = None) -> dict[str, Any]:
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, messages, token_ids")
     content: dict[str, Any] = {"request_id": request_id, "stream": stream, "params": params}
     if priority:
         content["priority"] = priority
+    if context_limit is not None:
+        content["context_limit"] = context_limit
     if prompt is not None:
         content["prompt"] = prompt
     elif messages is not None:
@@ -400,14 +402,20 @@ class Client(_ClientCore):
     def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None) -> list[int]:
         return self._call("tokenize", _tokenize_content(prompt, messages))["token_ids"]
 
+    def detokenize(self, token_ids: list[int]) -> list[str]:
+        """Each token's text on its own (at most 4096 ids a call)."""
+        return self._call("detokenize", {"token_ids": list(token_ids)})["pieces"]
+
     def shutdown(self) -> dict[str, Any]:
         return self._call("shutdown")
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
-                 priority: int = 0, **params: Any) -> Stream | Result:
+                 priority: int = 0, context_limit: int | None = None, **params: Any) -> Stream | Result:
         """Start a request. ``params`` are sampling parameters (``max_tokens``, ``temperature``...);
-        ``priority`` (-10..10, higher first) puts it ahead of this daemon's lower-priority work.
+        ``priority`` (-10..10, higher first) puts it ahead of this daemon's lower-priority work;
+        ``context_limit`` caps prompt + output at that many tokens, lowering ``max_tokens`` to fit
+        (so a large ``max_tokens`` means "until the context is full").
 
         Returns:
             With ``stream`` a :class:`Stream` of :class:`Delta` (its ``result`` set at the end),
@@ -417,7 +425,8 @@ class Client(_ClientCore):
             ServerError: the daemon refused the request (bad_request, too_long, overloaded...).
         """
         rid = request_id or self._new_request_id()
-        self._send("generate", _generate_content(rid, prompt, messages, token_ids, stream, params, priority))
+        self._send("generate", _generate_content(rid, prompt, messages, token_ids, stream, params, priority,
+                                                 context_limit))
         _check(self._wait(f"req:{rid}"))  # accepted, or the refusal
         if stream:
             return Stream(self, rid)
@@ -535,20 +544,24 @@ class AsyncClient(_ClientCore):
                        ) -> list[int]:
         return (await self._call("tokenize", _tokenize_content(prompt, messages)))["token_ids"]
 
+    async def detokenize(self, token_ids: list[int]) -> list[str]:
+        return (await self._call("detokenize", {"token_ids": list(token_ids)}))["pieces"]
+
     async def shutdown(self) -> dict[str, Any]:
         return await self._call("shutdown")
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
                  on_accepted: Callable[[dict[str, Any]], None] | None = None, priority: int = 0,
-                 **params: Any) -> AsyncIterator[Delta | Result] | Awaitable[Result]:
+                 context_limit: int | None = None, **params: Any
+                 ) -> AsyncIterator[Delta | Result] | Awaitable[Result]:
         """Start a request, as :meth:`Client.generate`. With ``stream``, an async iterator of
         :class:`Delta` ending with one :class:`Result`; leaving it early cancels the request
         (close the iterator, ``aclose()``, to cancel at once). Without, an awaitable of the Result.
         ``on_accepted`` gets the daemon's ``accepted`` reply (its ``id`` names the request in the
         published stats)."""
         rid = request_id or self._new_request_id()
-        content = _generate_content(rid, prompt, messages, token_ids, stream, params, priority)
+        content = _generate_content(rid, prompt, messages, token_ids, stream, params, priority, context_limit)
         if stream:
             return self._stream(rid, content, on_accepted)
         return self._complete(rid, content, on_accepted)

@@ -39,9 +39,10 @@ BLOCK_FIRST_OWNER = 3  # 3 + i: in use by requests[i]
 BLOCK_OTHER = 255  # in use by a request past the rows the codes can name
 MAX_OWNER_ROWS = BLOCK_OTHER - BLOCK_FIRST_OWNER  # 252
 
-REQUEST_TYPES = ("generate", "cancel", "stats", "info", "tokenize", "health", "ping", "shutdown")
-REPLY_TYPES = ("accepted", "delta", "done", "error", "stats", "info", "tokens", "health", "pong", "shutdown",
-               "keepalive")
+REQUEST_TYPES = ("generate", "cancel", "stats", "info", "tokenize", "detokenize", "health", "ping", "shutdown")
+REPLY_TYPES = ("accepted", "delta", "done", "error", "stats", "info", "tokens", "pieces", "health", "pong",
+               "shutdown", "keepalive")
+MAX_DETOKENIZE_IDS = 4096  # one ``detokenize``: a stream's logprobs ask for a few at a time
 
 
 class ErrorCode:
@@ -209,11 +210,18 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def parse_token_ids(value: Any) -> list[int]:
-    if not isinstance(value, list) or not value or len(value) > MAX_PROMPT_CHARS:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "token_ids must be a non-empty list of integers")
+def parse_token_ids(value: Any, max_len: int = MAX_PROMPT_CHARS) -> list[int]:
+    if not isinstance(value, list) or not value or len(value) > max_len:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"token_ids must be a list of 1 to {max_len} integers")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "token_ids must be a non-empty list of integers")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"token_ids must be a list of 1 to {max_len} integers")
+    return value
+
+
+def parse_context_limit(value: Any) -> int | None:
+    """``generate``'s optional ``context_limit``: an int >= 2 (a prompt token and an output token)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"context_limit must be an integer >= 2, got {value!r}")
     return value
 
 

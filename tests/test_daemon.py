@@ -190,6 +190,29 @@ def test_too_long_and_bad_params_are_typed_errors(daemon) -> None:
         assert c.generate(token_ids=[1, 2], max_tokens=3, stream=False).finish_reason in ("stop", "length")
 
 
+def test_context_limit_fits_max_tokens_and_detokenize(daemon, model_dir) -> None:
+    socket_dir, _ = daemon
+    with Client(socket_dir) as c:
+        # max_tokens as large as the context: lowered to what fits after the 20-token prompt
+        r = c.generate(token_ids=prompt(5), max_tokens=4096, context_limit=30, temperature=0, ignore_eos=True,
+                       stream=False)
+        assert r.finish_reason == "length" and r.usage["completion_tokens"] == 30 - len(prompt(5))
+        with pytest.raises(ServerError, match=r"context holds 10.*\(too_long\)"):
+            c.generate(token_ids=prompt(5), context_limit=10, stream=False)
+        for bad in (1, True, "30"):
+            with pytest.raises(ServerError, match=r"context_limit must be an integer >= 2.*\(bad_request\)"):
+                c.generate(token_ids=[1, 2], context_limit=bad, stream=False)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        ids = tok.encode("héllo <|im_start|>")
+        assert c.detokenize(ids) == [tok.decode([t]) for t in ids]
+        assert "".join(c.detokenize(ids)) != "" and len(c.detokenize(ids)) == len(ids)
+        for bad in ([], [-1], [1.5], list(range(5000))):
+            with pytest.raises(ServerError, match="bad_request"):
+                c.detokenize(bad)
+
+
 def test_second_daemon_is_refused(daemon, model_dir, env) -> None:
     socket_dir, conn = daemon
     proc = subprocess.run([sys.executable, "-m", "llmd", "start", "--model", str(model_dir), "--socket-dir",
