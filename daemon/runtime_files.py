@@ -75,8 +75,9 @@ class RuntimeFiles:
         for name in (CONNECTION_FILE, "requests.sock", "stats.sock"):
             (self.run_dir / name).unlink(missing_ok=True)  # left by a daemon that was killed
 
-    def write_connection_file(self, info: dict[str, Any]) -> None:
-        """Publish endpoints and key, 0600, atomically (clients never see half a file)."""
+    def write_connection_file(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Publish endpoints and key, 0600, atomically (clients never see half a file); returns what
+        it wrote."""
         data = {
             "version": 1, "pid": os.getpid(), "started": time.time(), "key": self.key.hex(),
             "requests": self.requests_endpoint, "stats": self.stats_endpoint, **info,
@@ -88,6 +89,7 @@ class RuntimeFiles:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, self.run_dir / CONNECTION_FILE)
+        return data
 
     def release(self) -> None:
         for name in (CONNECTION_FILE, "requests.sock", "stats.sock"):

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from llmd.config import OPTIONS, runtime_dir
+from llmd.config import OPTIONS, is_loopback, runtime_dir
 from llmd.daemon.engine_args import EngineArgs
 from llmd.daemon.quantization import describe, describe_quant, weight_memory
 from llmd.daemon.runtime_files import RuntimeFiles
@@ -71,18 +70,20 @@ def check_tcp(tcp: str | None, allow_remote: bool = False) -> None:
           "the keys in the connection file)", file=sys.stderr, flush=True)
 
 
-def is_loopback(host: str) -> bool:
-    """Only this machine can reach ``host`` (``*``, ``0.0.0.0`` and names that resolve elsewhere cannot)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # an interface or host name: it may face the network
+class Companion(Protocol):
+    """A server the daemon's process runs beside the daemon (the HTTP API, :mod:`llmd.http`), as a
+    client of it: started once the daemon answers, stopped when it stops."""
+
+    url: str
+
+    def start(self, connection: dict[str, Any]) -> None: ...
+
+    def stop(self) -> None: ...
 
 
-def serve(opts: DaemonOptions) -> int:
-    """Run the daemon in this process; returns the exit code.
+def serve(opts: DaemonOptions, companion: Companion | None = None) -> int:
+    """Run the daemon in this process; returns the exit code. ``companion`` is started with the
+    connection file's fields once the daemon is up, and named in its info (``http``).
 
     Raises:
         LlmdError: already running, bad model, bad options.
@@ -118,13 +119,18 @@ def serve(opts: DaemonOptions) -> int:
                 "chat_template": bool(getattr(runtime.tokenizer, "chat_template", None)),
                 "log_file": opts.log_file,
                 # NOTE: systemd sets INVOCATION_ID for the processes of a unit: stderr is the journal.
-                "journal": opts.log_file is None and "INVOCATION_ID" in os.environ}
+                "journal": opts.log_file is None and "INVOCATION_ID" in os.environ,
+                "http": companion.url if companion is not None else None}
         del model  # only the engine holds the model: an idle unload must be able to free it
         server = Server(engine, files, info, server_config, load_model=runtime.reload)
-        files.write_connection_file({**info, **server.connection_fields})
+        connection = files.write_connection_file({**info, **server.connection_fields})
+        if companion is not None:
+            companion.start(connection)
         log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens; weights %s) after %.1fs", source.name,
                  files.requests_endpoint, resolved.device, info["dtype"], engine.num_blocks, opts.engine.block_size,
                  describe(memory), time.monotonic() - start)
         return server.run()
     finally:
+        if companion is not None:
+            companion.stop()
         files.release()

@@ -140,10 +140,11 @@ class BenchReport:
     e2e_p50: float | None
     e2e_p99: float | None
     goodput: float | None  # requests per second meeting every SLO given; None without SLOs
-    peak_kv_usage: float  # the most KV blocks any step held during the run, as a share of the pool
-    preemptions: int
+    peak_kv_usage: float | None  # the most KV blocks any step held during the run, as a share of the pool
+    preemptions: int | None  # None: not measured (another server, over HTTP)
     errors: list[str]
     kernels: dict[str, str] = field(default_factory=dict)  # what served the run (the model's kernels())
+    target: str = ""  # the server measured, when it is not the local daemon (``--url``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,9 +164,12 @@ class BenchReport:
             ("inter-token", f"p50 {s(self.itl_p50)}, p99 {s(self.itl_p99)}"),
             ("end to end", f"p50 {s(self.e2e_p50)}, p99 {s(self.e2e_p99)}"),
             ("goodput", "-" if self.goodput is None else f"{self.goodput:.2f} req/s within the SLOs"),
-            ("KV cache", f"peak {100 * self.peak_kv_usage:.1f}% in use, {self.preemptions} preemptions"),
+            ("KV cache", "- (not measured over HTTP)" if self.peak_kv_usage is None else
+             f"peak {100 * self.peak_kv_usage:.1f}% in use, {self.preemptions} preemptions"),
             ("kernels", kernels_line(self.kernels)),
         ]
+        if self.target:
+            rows.insert(0, ("server", self.target))
         return "\n".join(f"{name:<12} {value}" for name, value in rows)
 
 
@@ -178,8 +182,8 @@ class BenchRun:
     t0: float  # time.perf_counter() at the start of the measured requests
 
 
-def summarise(config: BenchConfig, records: list[RequestRecord], duration: float, peak_kv: float,
-              preemptions: int, kernels: dict[str, str] | None = None) -> BenchReport:
+def summarise(config: BenchConfig, records: list[RequestRecord], duration: float, peak_kv: float | None,
+              preemptions: int | None, kernels: dict[str, str] | None = None, target: str = "") -> BenchReport:
     ok = [r for r in records if r.error is None]
     ttfts = [r.token_times[0] - r.sent for r in ok if r.token_times]
     itls = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
@@ -205,7 +209,7 @@ def summarise(config: BenchConfig, records: list[RequestRecord], duration: float
         ttft_p50=_pct(ttfts, 0.5), ttft_p90=_pct(ttfts, 0.9), ttft_p99=_pct(ttfts, 0.99),
         itl_p50=_pct(itls, 0.5), itl_p99=_pct(itls, 0.99), e2e_p50=_pct(e2es, 0.5), e2e_p99=_pct(e2es, 0.99),
         goodput=goodput, peak_kv_usage=peak_kv, preemptions=preemptions,
-        errors=sorted({r.error for r in records if r.error is not None}), kernels=kernels or {},
+        errors=sorted({r.error for r in records if r.error is not None}), kernels=kernels or {}, target=target,
     )
 
 

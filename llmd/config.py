@@ -19,6 +19,7 @@ A systemd service sees neither the user's shell variables nor flags: the file is
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -100,6 +101,49 @@ def _tcp(value: Any) -> str:
     return value
 
 
+def split_http_address(value: str) -> tuple[str, int]:
+    """``[HOST:]PORT`` (an IPv6 host in brackets) -> (host, port); the host defaults to 127.0.0.1,
+    port 0 is a free one the system picks (``llmd status`` names it).
+
+    Raises:
+        ValueError: no port in 0..65535.
+    """
+    host, _, port = value.strip().rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError("[HOST:]PORT, e.g. 8000 or 127.0.0.1:8000")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _http(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `http = 8000` in the file
+    split_http_address(_text(value))
+    return value
+
+
+def _origins(value: Any) -> tuple[str, ...]:
+    """Web origins: a list, or the text of one separated by commas."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(o, str) for o in items):
+        raise ValueError("origins like http://localhost:3000, separated by commas (or * for any)")
+    origins = tuple(o.strip().rstrip("/") for o in items if o.strip())
+    for o in origins:
+        if o != "*" and not o.startswith(("http://", "https://", "app://", "tauri://", "chrome-extension://",
+                                          "moz-extension://", "vscode-webview://")):
+            raise ValueError(f"origins with a scheme (http://host:port), not {o!r}")
+    return origins
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach ``host`` (``*``, ``0.0.0.0`` and names that resolve elsewhere cannot)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # an interface or host name: it may face the network
+
+
 def _group_size(value: Any) -> int:
     size = _whole(value, 1)
     if size not in (32, 64, 128):
@@ -118,6 +162,9 @@ class Option:
     help: str
     metavar: str | None = None
     unset: str = "(not set)"  # what ``llmd config show`` says for a None default
+    # Never on a command line (other users can read those): `llmd start` hands it to the daemon in its
+    # environment, and `llmd config show` prints it masked.
+    secret: bool = False
 
     @property
     def flag(self) -> str:
@@ -169,7 +216,14 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "/tmp/llmd-UID)", "DIR", "(per user)"),
     Option("tcp", None, _tcp, "also serve on TCP HOST:PORT (requests on PORT, stats on PORT+1; CURVE-encrypted "
                               "and signed; loopback only unless --allow-remote)", "HOST:PORT", "(off)"),
-    Option("allow_remote", False, _bool, "let --tcp bind an address other machines can reach"),
+    Option("allow_remote", False, _bool, "let --tcp and --http bind an address other machines can reach"),
+    Option("http", None, _http, "also serve the OpenAI and Ollama HTTP APIs on [HOST:]PORT (loopback only unless "
+                                "--allow-remote)", "[HOST:]PORT", "(off)"),
+    Option("api_key", None, _text, "with --http: require Authorization: Bearer KEY (better set as LLMD_API_KEY or "
+                                   "in the config file: a flag shows in `ps`)", "KEY", "(none)", secret=True),
+    Option("http_origins", (), _origins, "web pages (origins, comma-separated, or *) allowed to call the HTTP API; "
+                                         "pages on this machine always are, but only these get CORS",
+           "ORIGINS", "(none)"),
     Option("models_dir", None, _path, "where `llmd models` looks for .gguf files (default: "
                                       "$XDG_DATA_HOME/llmd/models)", "DIR", "(per user)"),
 )}
@@ -254,8 +308,11 @@ class Settings:
         width = max(map(len, self.values))
         lines = []
         for name, value in self.values.items():
-            shown = OPTIONS[name].unset if value is None else ("true" if value is True else "false" if value is False
-                                                       else str(value))
+            option = OPTIONS[name]
+            shown = option.unset if value is None else ("(set, hidden)" if option.secret else "true" if value is True
+                                                        else "false" if value is False
+                                                        else ", ".join(value) or option.unset
+                                                        if isinstance(value, tuple) else str(value))
             lines.append(f"{name:<{width}}  {shown:<28} {self.sources[name]}")
         return "\n".join(lines)
 

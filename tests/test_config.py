@@ -77,6 +77,10 @@ def test_a_bad_variable_is_named(name: str, text: str, monkeypatch: pytest.Monke
     ("block_size = 1073741824\n", "block_size"),
     ("allow_remote = \"yes\"\n", "allow_remote"),
     ('model = ""\n', "model"),
+    ('http = "localhost"\n', "http"),
+    ("http = 70000\n", "http"),
+    ('http_origins = ["evil.example"]\n', "http_origins"),
+    ("http_origins = 3\n", "http_origins"),
 ])
 def test_a_bad_value_names_its_key(text: str, key: str) -> None:
     path = write_config(text)
@@ -142,3 +146,16 @@ def test_socket_dir_of_the_file_is_where_clients_look(tmp_path: Path, monkeypatc
     write_config(f'socket_dir = "{tmp_path / "sock"}"\n')
     assert runtime_dir() == tmp_path / "sock"
     assert runtime_dir(tmp_path / "flag") == tmp_path / "flag"  # --socket-dir still wins
+
+
+def test_http_settings_and_a_hidden_key(capsys: pytest.CaptureFixture[str]) -> None:
+    write_config('http = 8000\nhttp_origins = ["http://localhost:3000/", "https://my.app"]\napi_key = "s3cret"\n')
+    values = read_config_file()
+    assert values["http"] == "8000" and values["http_origins"] == ("http://localhost:3000", "https://my.app")
+    assert resolve({"http_origins": OPTIONS["http_origins"].parse("*, https://a.b")})["http_origins"] == ("*", "https://a.b")
+    # The key is a secret: `config show` says it is set, never what it is.
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "(set, hidden)" in out and "http://localhost:3000, https://my.app" in out
+    assert main(["config", "show", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["values"]["api_key"] == "(set, hidden)"

@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="also draw the latency distributions and throughput over time (needs matplotlib)")
+    bench.add_argument("--url", default=None, metavar="URL",
+                       help="instead of the local daemon: any OpenAI-compatible server (llmd start --http, "
+                            "llama-server, vLLM), e.g. http://127.0.0.1:8080/v1; sends the api_key setting if set")
     add_settings_flags(bench, ["socket_dir"])
     bench.add_argument("--in-process", action="store_true",
                        help="run the engine in this process (llmd.LLM) instead of the daemon, to see what the "
@@ -78,11 +81,18 @@ def run(args: argparse.Namespace) -> int:
             text = read_text(args.perplexity)  # before a model loads
         except ValueError as e:
             raise LlmdError(str(e)) from None
+    if args.url is not None and (args.in_process or text is not None):
+        raise LlmdError("--url measures a server's load; it does not go with --in-process or --perplexity")
     llm = _bench_llm(args) if args.in_process else None
-    connection = None if args.in_process else load_connection(settings_of(args)["socket_dir"])
+    connection = None if args.in_process or args.url else load_connection(settings_of(args)["socket_dir"])
     if text is not None:
         return _bench_perplexity(args, text, llm, connection)
-    if llm is not None:
+    if args.url is not None:
+        from llmd.bench_http import run_bench_http
+
+        run = asyncio.run(run_bench_http(args.url, config, settings_of(args)["api_key"],
+                                         show_progress=sys.stderr.isatty()))
+    elif llm is not None:
         run = run_bench_in_process(llm, config, show_progress=sys.stderr.isatty())
     else:
         run = asyncio.run(run_bench(connection, config, show_progress=sys.stderr.isatty()))

@@ -25,11 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_show(args: argparse.Namespace) -> int:
     import json
 
-    from llmd.config import config_path
+    from llmd.config import OPTIONS, config_path
 
     settings = settings_of(args)
     if args.json:
-        print(json.dumps({"config_file": str(config_path()), "values": settings.values, "sources": settings.sources}))
+        values = {k: "(set, hidden)" if OPTIONS[k].secret and v is not None else v for k, v in settings.values.items()}
+        print(json.dumps({"config_file": str(config_path()), "values": values, "sources": settings.sources}))
         return 0
     path = config_path()
     print(f"config file: {path}{'' if path.exists() else ' (none; every value below is a flag or a default)'}")

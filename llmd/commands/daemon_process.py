@@ -38,19 +38,24 @@ def start_background(args: argparse.Namespace, settings: Settings | None = None,
     log_path = log_file()
     argv = [sys.executable, "-m", "llmd", "start", "--foreground", "--socket-dir", str(run_dir),
             "--log-file", str(log_path)]
+    env = dict(os.environ)
     # NOTE: only the flags given here: the daemon reads the same config file for the rest.
     for name, option in OPTIONS.items():
         value = getattr(args, name, None)
         if value is None or name == "socket_dir":
             continue
-        if isinstance(value, bool):
+        if option.secret:  # never in argv, which every user can read
+            env[option.env] = str(value)
+        elif isinstance(value, tuple):
+            argv += [option.flag, ",".join(value)]
+        elif isinstance(value, bool):
             argv.append(option.flag if value else "--no-" + option.flag[2:])
         else:
             argv += [option.flag, str(value)]
     log_start = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log_out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_out, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True, env=env)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -73,7 +78,7 @@ def start_background(args: argparse.Namespace, settings: Settings | None = None,
         raise LlmdError(f"the daemon did not come up within 10 minutes (log: {log_path})")
     print(f"llmd: started (pid {info['pid']}): {info['model']} on {info['device']}, {info['dtype']}, "
           f"quantisation {info['quantization']}, KV cache {info['num_blocks']} blocks x {info['block_size']} tokens; "
-          f"log: {log_path}")
+          f"{'HTTP API on ' + info['http'] + '; ' if info.get('http') else ''}log: {log_path}")
     return 0
 
 

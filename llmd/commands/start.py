@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmd.commands.daemon_process import start_background
 from llmd.commands.flags import add_settings_flags, settings_of
 from llmd.commands.runtime import check_quant
+from llmd.config import Settings
 from llmd.errors import LlmdError
+
+if TYPE_CHECKING:
+    from llmd.http.front import HttpFront
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_of(args)
     check_quant(settings["quant"], settings["group_size"])
+    if settings["http"]:
+        from llmd.http.front import check_http
+
+        check_http(settings["http"], settings["allow_remote"], settings["api_key"])
     if not args.foreground:  # here too, so the warning reaches this terminal, not only the log
         check_tcp(settings["tcp"], settings["allow_remote"])
     if args.foreground:
@@ -40,5 +49,14 @@ def run(args: argparse.Namespace) -> int:
             options = DaemonOptions.from_settings(settings.values, log_file=args.log_file)
         except ValueError as e:
             raise LlmdError(str(e)) from None
-        return serve(options)
+        return serve(options, _http_front(settings))
     return start_background(args, settings)
+
+
+def _http_front(settings: Settings) -> HttpFront | None:
+    """The HTTP API's server, its port taken now (a taken port fails before the model loads)."""
+    if not settings["http"]:
+        return None
+    from llmd.http.front import HttpFront
+
+    return HttpFront(settings["http"], settings["api_key"], settings["http_origins"]).bind()

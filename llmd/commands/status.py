@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         f"prefix hits {100 * stats['prefix_cache_hit_rate']:.1f}% of prompt tokens",
         f"sockets     {connection['requests']}",
     ]
+    if info.get("http"):
+        lines.append(f"HTTP API    {info['http']}/v1 (OpenAI), {info['http']}/api (Ollama), {info['http']}/metrics")
     print("\n".join(lines))
     return STATUS_RUNNING
 
