@@ -1,101 +1,46 @@
-"""llmd next to llama.cpp's llama-server: the same GGUF, the same prompts, the same cores, in one run.
+"""llmd next to llama.cpp's llama-server, and llmd's HTTP API next to its ZeroMQ socket: the same GGUF,
+the same workload, the same cores, in one run, measured by one tool (`llmd bench`'s).
 
     LLAMA_SERVER=$(../shared/anchors/build-llama-server.sh) .venv/bin/python benchmarks/vs_llama_server.py
     .venv/bin/python benchmarks/vs_llama_server.py --streams 1 16 --rounds 3 --llama-server PATH
+    .venv/bin/python benchmarks/vs_llama_server.py --no-llama-server        # the HTTP overhead only
 
-Both servers are started here (llama-server with -t <cores> and one slot per stream of the largest
-count, continuous batching; the llmd daemon with its defaults and `--model GGUF`) and stay up; the
-idle one sleeps. For each stream count, rounds alternate llama-server / llmd on the same fresh random
-prompts (token ids, so lengths are exact and no prefix cache helps), greedy, `--output-tokens` new
-tokens ignoring end-of-text, each stream its own connection. Reported per server: aggregate output
-tok/s (tokens over the wall time from the first request to the last token, prefill included),
-decode tok/s per stream (after its first token; the median stream), TTFT p50/p99, and the ratios
-llmd/llama-server (tok/s: higher is better; TTFT: lower is better). The best round of each is
-shown, these machines being shared and noisy; the CPU's flags and llmd's CPU profile head the table.
-A ratio from one run is the figure to quote: absolute tok/s differ 2x between days here.
+Both servers are started here and stay up; the idle one sleeps: llama-server with -t <cores> and one
+slot per stream of the largest count (continuous batching), the llmd daemon with its defaults,
+`--model GGUF` and `--http`. Three targets, in turn within each round: llama-server over its
+OpenAI API (`llmd bench --url`'s driver, llmd/bench_http.py), llmd over the same API, and llmd over
+ZeroMQ (`llmd bench`'s, llmd/bench.py). Each round has fresh random prompts (token ids: exact lengths,
+no prefix-cache hits), greedy, `--output-tokens` new tokens ignoring end-of-text. Reported per target:
+aggregate output tok/s (tokens over the wall time from the first request to the last token, prefill
+included), per-stream decode tok/s (1 / the median inter-token gap), TTFT p50/p99; then the ratios
+llmd-HTTP / llama-server and llmd-HTTP / llmd-ZeroMQ (the HTTP path's cost). The median round of
+each is shown. A ratio from one run is the figure to quote: absolute tok/s differ 2x between days
+on these machines.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
-import json
 import os
-import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+from llmd.bench import BenchConfig, BenchReport, run_bench
+from llmd.bench_http import run_bench_http
+from llmd.client import Client, load_connection
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def llama_stream(port: int, prompt: list[int], n: int, out: dict) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True,
-                       "cache_prompt": False})
-    start = time.perf_counter()
-    conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"llama-server answered {resp.status}: {resp.read()[:200]!r}")
-    tokens = 0
-    while line := resp.readline():
-        if not line.startswith(b"data: "):
-            continue
-        event = json.loads(line[6:])
-        if out.get("ttft") is None and event.get("content") is not None and not event.get("stop"):
-            out["ttft"] = time.perf_counter() - start
-            out["first"] = time.perf_counter()
-        if event.get("stop"):
-            tokens = event.get("tokens_predicted", 0)
-            break
-    out["end"], out["tokens"] = time.perf_counter(), tokens
-    conn.close()
-
-
-def llmd_stream(socket_dir: Path, prompt: list[int], n: int, out: dict) -> None:
-    from llmd.client import Client
-
-    with Client(socket_dir) as client:
-        start = time.perf_counter()
-        tokens = 0
-        for delta in client.generate(token_ids=prompt, max_tokens=n, temperature=0, ignore_eos=True):
-            if out.get("ttft") is None and delta.token_ids:
-                out["ttft"] = time.perf_counter() - start
-                out["first"] = time.perf_counter()
-            tokens += len(delta.token_ids)
-    out["end"], out["tokens"] = time.perf_counter(), tokens
-
-
-def run_round(target, prompts: list[list[int]], n: int) -> dict[str, float]:
-    outs = [{} for _ in prompts]
-    threads = [threading.Thread(target=target, args=(p, n, o)) for p, o in zip(prompts, outs)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if any("end" not in o for o in outs):
-        raise RuntimeError("a stream failed (see above)")
-    wall = max(o["end"] for o in outs) - start
-    ttfts = [o["ttft"] for o in outs]
-    decode = [(o["tokens"] - 1) / (o["end"] - o["first"]) for o in outs if o["tokens"] > 1]
-    return {"tok_s": sum(o["tokens"] for o in outs) / wall, "p50": statistics.median(ttfts), "p99": pct(ttfts, 0.99),
-            "tokens": sum(o["tokens"] for o in outs), "decode": statistics.median(decode)}
 
 
 def wait_http(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -123,78 +68,100 @@ def cpu_line() -> str:
     return f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(flags)}; llmd profile {cpu_profile.describe()}"
 
 
+def figures(r: BenchReport) -> dict[str, float]:
+    if r.num_failed:
+        raise RuntimeError(f"{r.num_failed} requests failed: {r.errors}")
+    return {"tok_s": r.output_tokens_per_s, "decode": 1.0 / r.itl_p50 if r.itl_p50 else 0.0,
+            "p50": r.ttft_p50 or 0.0, "p99": r.ttft_p99 or 0.0}
+
+
+def median_round(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(rounds, key=lambda f: f["tok_s"])[len(rounds) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                         help="the llama-server binary (default: $LLAMA_SERVER)")
+    parser.add_argument("--no-llama-server", action="store_true", help="llmd over HTTP and ZeroMQ only")
     parser.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
-    if not args.llama_server or not Path(args.llama_server).is_file():
+    with_llama = not args.no_llama_server
+    if with_llama and (not args.llama_server or not Path(args.llama_server).is_file()):
         sys.exit("set LLAMA_SERVER or --llama-server to a llama-server binary "
-                 "(../shared/anchors/build-llama-server.sh builds one)")
+                 "(../shared/anchors/build-llama-server.sh builds one), or pass --no-llama-server")
     from llmd.daemon.model_source import default_model_path
 
     gguf = Path(args.model or default_model_path())
     slots = max(args.streams)
-    ctx_per_slot = args.prompt_tokens + args.output_tokens + 64
-    port = free_port()
-    llama = subprocess.Popen([args.llama_server, "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads),
-                              "--port", str(port), "--host", "127.0.0.1", "-np", str(slots), "-c",
-                              str(slots * ctx_per_slot), "--log-disable"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    llama = None
+    llama_url = ""
+    if with_llama:
+        port = free_port()
+        llama_url = f"http://127.0.0.1:{port}/v1"
+        ctx_per_slot = args.prompt_tokens + args.output_tokens + 64
+        llama = subprocess.Popen([args.llama_server, "-m", str(gguf), "-t", str(args.threads), "-tb",
+                                  str(args.threads), "--port", str(port), "--host", "127.0.0.1", "-np", str(slots),
+                                  "-c", str(slots * ctx_per_slot), "--log-disable"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tmp = tempfile.TemporaryDirectory()
     socket_dir = Path(tmp.name) / "run"
     llmd = [sys.executable, "-m", "llmd"]
+    env = {k: v for k, v in os.environ.items() if k != "LLMD_API_KEY"}
+    rows: list[tuple[int, dict[str, dict[str, float]]]] = []
     try:
-        wait_http(port, llama)
-        subprocess.run([*llmd, "start", "--socket-dir", str(socket_dir), "--model", str(gguf)], check=True)
-        from llmd.client import Client
-
+        if llama is not None:
+            wait_http(port, llama)
+        subprocess.run([*llmd, "start", "--socket-dir", str(socket_dir), "--model", str(gguf), "--http", "0"],
+                       check=True, env=env)
         with Client(socket_dir) as client:
             info = client.info()
-            vocab = sorted(set(client.tokenize(" ".join(f"w{i} alpha beta {i * 7}" for i in range(400)))))
-        rng = random.Random(0)
-
-        def prompts(n: int) -> list[list[int]]:
-            return [[rng.choice(vocab) for _ in range(args.prompt_tokens)] for _ in range(n)]
-
-        for warm in (lambda p, n, o: llama_stream(port, p, n, o), lambda p, n, o: llmd_stream(socket_dir, p, n, o)):
-            run_round(warm, prompts(2), 8)
-        rows = []
+        connection = load_connection(socket_dir)
+        targets: dict[str, Any] = {}
+        if with_llama:
+            targets["llama-server"] = lambda c: run_bench_http(llama_url, c)
+        targets["llmd HTTP"] = lambda c: run_bench_http(info["http"] + "/v1", c)
+        targets["llmd ZeroMQ"] = lambda c: run_bench(connection, c)
+        for run in targets.values():  # warm-up: first-call costs out of the figures
+            asyncio.run(run(BenchConfig(num_streams=2, prompt_tokens=16, output_tokens=8)))
         for n in args.streams:
-            best_l = best_d = None
+            rounds: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
             for _ in range(args.rounds):
-                batch = prompts(n)
-                lr = run_round(lambda p, k, o: llama_stream(port, p, k, o), batch, args.output_tokens)
-                dr = run_round(lambda p, k, o: llmd_stream(socket_dir, p, k, o), batch, args.output_tokens)
-                best_l = lr if best_l is None or lr["tok_s"] > best_l["tok_s"] else best_l
-                best_d = dr if best_d is None or dr["tok_s"] > best_d["tok_s"] else best_d
-                print(f"  {n} streams: llama-server {lr['tok_s']:.1f} tok/s, llmd {dr['tok_s']:.1f} tok/s",
+                for name, run in targets.items():
+                    config = BenchConfig(num_streams=n, prompt_tokens=args.prompt_tokens,
+                                         output_tokens=args.output_tokens)
+                    rounds[name].append(figures(asyncio.run(run(config)).report))
+                print(f"  {n} streams: " + ", ".join(f"{name} {r[-1]['tok_s']:.1f} tok/s" for name, r in rounds.items()),
                       file=sys.stderr)
-            rows.append((n, best_l, best_d))
+            rows.append((n, {name: median_round(r) for name, r in rounds.items()}))
     finally:
-        subprocess.run([*llmd, "stop", "--socket-dir", str(socket_dir)], check=False, capture_output=True)
-        llama.terminate()
-        llama.wait(timeout=30)
+        subprocess.run([*llmd, "stop", "--socket-dir", str(socket_dir)], check=False, capture_output=True, env=env)
+        if llama is not None:
+            llama.terminate()
+            llama.wait(timeout=30)
         tmp.cleanup()
     print(cpu_line())
     from llmd.bench import kernels_line
 
     print(f"model {gguf.name}; llmd {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; "
-          f"llama-server {args.llama_server}; {args.prompt_tokens} prompt + {args.output_tokens} new tokens per "
-          f"stream, greedy; best of {args.rounds} rounds")
-    print(f"{'streams':>7} | {'llama tok/s':>11} {'llmd tok/s':>10} {'ratio':>6} | {'decode/stream llama/llmd':>24} "
-          f"{'ratio':>6} | {'TTFT p50 llama/llmd':>21} {'ratio':>6} | {'TTFT p99 llama/llmd':>21}")
-    for n, lr, dr in rows:
-        print(f"{n:>7} | {lr['tok_s']:>11.1f} {dr['tok_s']:>10.1f} {dr['tok_s'] / lr['tok_s']:>5.2f}x | "
-              f"{lr['decode']:>12.1f}/{dr['decode']:>11.1f} {dr['decode'] / lr['decode']:>5.2f}x | "
-              f"{lr['p50']:>9.3f}s/{dr['p50']:>8.3f}s {dr['p50'] / lr['p50']:>5.2f}x | "
-              f"{lr['p99']:>9.3f}s/{dr['p99']:>8.3f}s")
+          f"{'llama-server ' + args.llama_server + '; ' if with_llama else ''}{args.prompt_tokens} prompt + "
+          f"{args.output_tokens} new tokens per stream, greedy; median of {args.rounds} rounds")
+    names = list(rows[0][1]) if rows else []
+    print(f"{'streams':>7} | " + " | ".join(f"{name + ' tok/s, decode/stream, TTFT p50/p99':<44}" for name in names)
+          + " | HTTP/ZeroMQ tok/s, TTFT p50" + (" | llmd HTTP/llama tok/s" if with_llama else ""))
+    for n, by in rows:
+        cells = [f"{f['tok_s']:>7.1f} {f['decode']:>7.1f} {f['p50']:>8.3f}s {f['p99']:>8.3f}s{'':>11}"
+                 for f in by.values()]
+        h, z = by["llmd HTTP"], by["llmd ZeroMQ"]
+        line = f"{n:>7} | " + " | ".join(cells) + f" | {h['tok_s'] / z['tok_s']:.3f}x, {1000 * (h['p50'] - z['p50']):+.1f} ms"
+        if with_llama:
+            line += f" | {h['tok_s'] / by['llama-server']['tok_s']:.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":
