@@ -20,6 +20,7 @@ from daemon_helpers import daemon_env, start_daemon, stop_daemon, wait_for
 from tiny_models import make_hf_model, save_hf_model
 
 from llmd.client import Client
+from llmd.http.backend import model_id
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def url(daemon) -> str:
 
 @pytest.fixture(scope="module")
 def model(daemon) -> str:
-    return daemon[1]["model"]
+    return model_id(daemon[1]["model"])
 
 
 def sdk(url: str) -> openai.OpenAI:
@@ -320,3 +321,8 @@ def test_bench_drives_the_http_api(url, env) -> None:
     assert report["num_failed"] == 0 and report["output_tokens_reported"] == 27
     assert report["prompt_tokens"] == 36 and report["target"].endswith(url)
     assert report["ttft_p50"] > 0 and report["peak_kv_usage"] is None
+
+
+def test_model_ids_are_url_and_tag_safe() -> None:
+    assert model_id("SmolLM2-135M-Instruct (Q4_1)") == "SmolLM2-135M-Instruct-Q4_1"
+    assert model_id("my model/v2.gguf") == "my-model-v2.gguf" and model_id("()") == "model"

@@ -4,6 +4,7 @@ about its model, and a cache of token texts for logprobs."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -12,6 +13,10 @@ from llmd.http.errors import HTTPError
 
 INFO_TTL_S = 2.0  # the model can be reloaded or switched under the same daemon: look again now and then
 MAX_CACHED_PIECES = 1 << 18  # token texts kept (a vocabulary is 32k-256k tokens)
+
+
+def model_id(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
 
 
 class Backend:
@@ -46,16 +51,18 @@ class Backend:
         return self._info
 
     async def model_id(self) -> str:
-        return str((await self.info())["model"])
+        """The served model's name as an id clients can put in a URL or an Ollama tag: the daemon's
+        name (``SmolLM2-135M-Instruct (Q4_1)``) with each run of other characters made one ``-``."""
+        return model_id((await self.info())["model"])
 
     async def check_model(self, name: Any, param: str = "model") -> str:
-        """The served model's id, if ``name`` names it (``name:latest`` as Ollama clients write it,
-        any case); else 404, as OpenAI answers an unknown model."""
+        """The served model's id, if ``name`` names it (the id or the daemon's name, ``:latest`` as
+        Ollama clients add it, any case); else 404, as OpenAI answers an unknown model."""
         model = await self.model_id()
         if not isinstance(name, str):
             raise HTTPError(400, f"{param} must be a string (the served model is {model!r})", "invalid_type",
                             param=param)
-        if name.lower().removesuffix(":latest") != model.lower():
+        if name.lower().removesuffix(":latest") not in (model.lower(), str((await self.info())["model"]).lower()):
             raise HTTPError(404, f"model {name!r} is not served here; this daemon serves {model!r} "
                                  "(GET /v1/models)", "model_not_found", param=param)
         return model

@@ -108,7 +108,7 @@ async def _details(backend: Backend) -> dict[str, Any]:
 
 async def _entry(backend: Backend) -> dict[str, Any]:
     info = await backend.info()
-    name = f"{info['model']}:latest"
+    name = f"{await backend.model_id()}:latest"
     return {"name": name, "model": name, "size": int(info.get("weight_bytes") or 0), "digest": "",
             "modified_at": datetime.fromtimestamp(float(info["started"]), timezone.utc).isoformat(),
             "details": await _details(backend)}

@@ -53,9 +53,11 @@ async def _limits(backend: Backend, params: dict[str, Any], default_max_tokens: 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    info = await _backend(request).info()
-    return {"object": "list", "data": [{"id": info["model"], "object": "model", "created": int(info["started"]),
-                                        "owned_by": "llmd", "max_model_len": info["max_model_len"]}]}
+    backend = _backend(request)
+    info = await backend.info()
+    return {"object": "list", "data": [{"id": await backend.model_id(), "object": "model",
+                                        "created": int(info["started"]), "owned_by": "llmd",
+                                        "max_model_len": info["max_model_len"]}]}
 
 
 @router.get("/v1/models/{model_id:path}")
