@@ -12,9 +12,14 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 # Extra flags for the daemon `make run` starts, e.g. MODEL=path/to/model.gguf
 MODEL ?=
 PYTEST_ARGS ?=
-# The tests whose paths depend on the CPU: on a CPU with AVX-512, `make test` runs them a second time
-# as an AVX2-only CPU would (LLMD_CPU=avx2 and torch's own dispatch capped likewise), the CPU most
-# users have. Where the CPU is AVX2-only, the first pass was that already.
+# The suite runs on TEST_JOBS pytest-xdist workers (a test file stays on one worker, so its
+# module-scoped daemons and models are built once), each on one thread: two workers on two cores is
+# the 15-minute budget's margin, and more threads than cores make OpenMP's spinning threads starve
+# each other (seen: a 12 s test took 392 s). TEST_JOBS=0 runs it in this process.
+TEST_JOBS ?= 2
+# The tests whose paths depend on the CPU then run a second time, on all cores (the threaded paths of
+# the native kernels): on a CPU with AVX-512 as an AVX2-only CPU would (LLMD_CPU=avx2 and torch's own
+# dispatch capped likewise), the CPU most users have; on an AVX2-only CPU as they are.
 CPU_TESTS ?= tests/test_native_cpu_kernels.py tests/test_quant_kernels_cpu.py tests/test_quant_native.py \
 	tests/test_decode_step.py tests/test_decode_inputs.py tests/test_engine_default_model.py tests/test_cli_generate.py \
 	tests/test_quality.py
@@ -52,11 +57,16 @@ ask: setup
 test: setup
 	@# NOTE: the pytest script, not `python -m pytest`: the latter puts the repo root on sys.path,
 	@# where our top-level folders (kernels/, quant/...) would shadow same-named PyPI packages.
-	@$(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
+	@OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; exit 1; fi; \
-	if [ $$rc -eq 0 ] && [ -n "$(HAS_AVX512)" ] && [ -z "$(PYTEST_ARGS)" ]; then \
-		echo "make test: the CPU-dependent tests again under the AVX2 profile (LLMD_CPU=avx2)"; \
-		$(AVX2_ENV) $(VENV)/bin/pytest -m "not profile_independent" $(CPU_TESTS); rc=$$?; \
+	if [ $$rc -eq 0 ] && [ -z "$(PYTEST_ARGS)" ]; then \
+		if [ -n "$(HAS_AVX512)" ]; then \
+			echo "make test: the CPU-dependent tests again, threaded, under the AVX2 profile (LLMD_CPU=avx2)"; \
+			$(AVX2_ENV) $(VENV)/bin/pytest -m "not profile_independent" $(CPU_TESTS); rc=$$?; \
+		else \
+			echo "make test: the CPU-dependent tests again, threaded"; \
+			$(VENV)/bin/pytest -m "not profile_independent" $(CPU_TESTS); rc=$$?; \
+		fi; \
 	fi; \
 	exit $$rc
 

@@ -118,17 +118,24 @@ def test_async_sdk_streams_concurrently(url, model) -> None:
                 stream=True)
             return "".join([c.choices[0].delta.content or "" async for c in stream])
 
+        async def whole(i: int) -> str:
+            reply = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"count {i}"}], max_tokens=8, temperature=0)
+            return reply.choices[0].message.content
+
         try:
-            return await asyncio.gather(one(1), one(2))
+            texts = await asyncio.gather(one(1), one(2), whole(1), whole(2))
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model="nope", messages=MESSAGES)
+            return texts
         finally:
             await client.close()
 
-    texts = asyncio.run(main())
-    client = sdk(url)
-    for i, text in zip((1, 2), texts):
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"count {i}"}],
-                                               max_tokens=8, temperature=0)
-        assert text == reply.choices[0].message.content
+    streamed_1, streamed_2, whole_1, whole_2 = asyncio.run(main())
+    assert (streamed_1, streamed_2) == (whole_1, whole_2)
+    reply = sdk(url).chat.completions.create(model=model, messages=[{"role": "user", "content": "count 1"}],
+                                             max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == whole_1
 
 
 def test_chat_logprobs_are_the_greedy_choice(url, model) -> None:

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from daemon_helpers import daemon_env, start_daemon, stop_daemon
+from daemon_helpers import daemon_env, fault_env, start_daemon, stop_daemon
 from tiny_models import make_hf_model, save_hf_model
 
 from llmd.client import AsyncClient
@@ -30,11 +30,10 @@ class NoEosClient(AsyncClient):
 def daemon(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("tui-daemon")
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp / "model", with_tokenizer=True)
-    socket_dir, env = tmp / "run", daemon_env(tmp)
-    # NOTE: --attention torch: the layer-by-layer path. The native decode step runs this tiny model's
-    # 200 tokens in a fraction of the 0.25 s between stats messages, which then never catch it running.
-    connection = start_daemon(model_dir, socket_dir, "--block-size", "4", "--kv-cache-mb", "1", "--attention", "torch",
-                              env=env)
+    # NOTE: 10 ms a step: this tiny model's 200 tokens otherwise take a fraction of a second, between
+    # two of the 4-a-second stats messages, which then never catch the chat's blocks in use.
+    socket_dir, env = tmp / "run", fault_env(daemon_env(tmp), LLMD_TEST_STEP_DELAY_S="0.01")
+    connection = start_daemon(model_dir, socket_dir, "--block-size", "4", "--kv-cache-mb", "1", env=env)
     yield connection
     stop_daemon(socket_dir, env)
 
