@@ -14,10 +14,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from llmd.client import DaemonNotRunningError, Delta, Result, ServerError
+from llmd.client import Delta, Result
 from llmd.http.backend import Backend
 from llmd.http.errors import HTTPError
-from llmd.http.streaming import deltas, until_disconnect
+from llmd.http.streaming import Started, until_disconnect
 
 router = APIRouter()
 # The Ollama API level these routes follow. Clients compare it to decide what they may call, and
@@ -192,15 +192,11 @@ async def _answer(request: Request, model: str, source: dict[str, Any], params: 
         result = await until_disconnect(request, client.generate(**source, stream=False, context_limit=limit,
                                                                  **params))
         return JSONResponse({**shape(result.text), **_final(model, result)})
-    items = client.generate(**source, stream=True, context_limit=limit, **params)
-    try:
-        first = await items.__anext__()  # accepted, or the refusal as an HTTP error
-    except BaseException:
-        await items.aclose()
-        raise
+    started = await Started.start(lambda accepted: client.generate(**source, stream=True, context_limit=limit,
+                                                                   on_accepted=accepted, **params))
 
     async def lines() -> AsyncIterator[bytes]:
-        async for item in deltas(_with_first(first, items)):
+        async for item in started.items(lambda e: _ndjson({"error": str(e)})):
             if isinstance(item, bytes):
                 yield item
                 return
@@ -211,18 +207,6 @@ async def _answer(request: Request, model: str, source: dict[str, Any], params: 
                 yield _ndjson({**shape(""), **_final(model, item)})
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-
-async def _with_first(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """``first``, then the rest; a failure once the response began ends it with ``{"error": ...}``."""
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    except (ServerError, DaemonNotRunningError) as e:
-        yield _ndjson({"error": str(e)})
-    finally:
-        await rest.aclose()
 
 
 @router.post("/api/chat", response_model=None)

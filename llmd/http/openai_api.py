@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from llmd.client import DaemonNotRunningError, Delta, Result, ServerError
+from llmd.client import Delta, Result
 from llmd.http.backend import Backend
 from llmd.http.errors import HTTPError, response_for
 from llmd.http.openai_schema import ChatCompletionRequest, CompletionRequest
-from llmd.http.streaming import deltas, finish_reason, token_logprobs, until_disconnect
+from llmd.http.streaming import Started, finish_reason, token_logprobs, until_disconnect
 
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's: until the context is full)
@@ -112,10 +112,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
             choice["logprobs"] = await _chat_logprobs(backend, result.token_ids, result.logprobs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                              "choices": [choice], "usage": _usage(result)})
-    stream = client.generate(messages=messages, stream=True, context_limit=context_limit, **params)
-    # The first message from the daemon (accepted, or its refusal) decides the status: an error
-    # before any byte is sent is an HTTP error, not an event.
-    first = await _first(stream)
+    # Accepted, or refused as an HTTP error before anything is sent.
+    started = await Started.start(lambda accepted: client.generate(
+        messages=messages, stream=True, context_limit=context_limit, on_accepted=accepted, **params))
 
     async def events() -> AsyncIterator[bytes]:
         usage_field = {"usage": None} if body.include_usage else {}
@@ -126,7 +125,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
                          **usage_field})
 
         yield chunk({"role": "assistant", "content": ""})
-        async for item in _reporting_errors(deltas(_chained(first, stream))):
+        async for item in started.items(_error_event):
             if isinstance(item, bytes):
                 yield item
                 return
@@ -144,37 +143,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _first(stream: AsyncIterator[Delta | Result]) -> Delta | Result | None:
-    """The stream's first item, raising the daemon's refusal (before the response has started)."""
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-    except BaseException:
-        await stream.aclose()
-        raise
-
-
-async def _chained(first: Delta | Result | None, rest: AsyncIterator[Delta | Result]
-                   ) -> AsyncIterator[Delta | Result]:
-    try:
-        if first is not None:
-            yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
-
-
-async def _reporting_errors(items: AsyncIterator[Delta | Result]) -> AsyncIterator[Delta | Result | bytes]:
-    """The items, then, if the request fails once the response has begun, an error event (the openai
-    SDK raises it as an APIError) in place of the rest."""
-    try:
-        async for item in items:
-            yield item
-    except (ServerError, DaemonNotRunningError) as e:
-        body = json.loads(response_for(e).body)
-        yield _sse(body)
+def _error_event(e: Exception) -> bytes:
+    """A failure once the response has begun, as the event the openai SDK raises as an APIError."""
+    return _sse(json.loads(response_for(e).body))
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -230,8 +201,8 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": [choice], "usage": _usage(result)})
 
-    stream = client.generate(**source, stream=True, **params)
-    first = await _first(stream)
+    started = await Started.start(lambda accepted: client.generate(**source, stream=True, on_accepted=accepted,
+                                                                   **params))
 
     async def events() -> AsyncIterator[bytes]:
         usage_field = {"usage": None} if body.include_usage else {}
@@ -245,7 +216,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         if body.echo:
             yield chunk(prompt_text)
             offset = len(prompt_text)
-        async for item in _reporting_errors(deltas(_chained(first, stream))):
+        async for item in started.items(_error_event):
             if isinstance(item, bytes):
                 yield item
                 return
