@@ -6,7 +6,12 @@ Workloads (all with exact lengths: prompts are sent as token ids, outputs use ``
 * ``prefix``: a shared system prompt of K tokens plus a distinct question per request; one request
   warms the prefix cache first (not counted), then N go at once;
 * ``poisson``: ``--requests`` arriving at ``--rate`` per second (exponential gaps), prompt and output
-  lengths drawn uniformly from half to one and a half times the given lengths; seeded.
+  lengths drawn uniformly from half to one and a half times the given lengths; seeded;
+* ``edit``: N chats at once, each asking for a piece of source code (about ``--prompt-tokens`` of
+  llmd's own) rewritten with one identifier renamed, the work whose output repeats its prompt (what
+  speculative decoding with prompt-lookup drafts is for). These go as chat messages and may end
+  before ``--output-tokens`` (end-of-text is honoured), so only their prompt and output counts are
+  not exact.
 
 Every token's arrival time is recorded on the client, so TTFT, inter-token latency and end-to-end
 latency are what a client sees. The daemon's stats stream gives the peak KV usage (its
@@ -23,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-WORKLOADS = ("streams", "prefix", "poisson")
+WORKLOADS = ("streams", "prefix", "poisson", "edit")
 
 
 @dataclass(slots=True)
@@ -40,7 +45,7 @@ class BenchConfig:
     # None: a new random seed per run. A fixed seed repeats the prompts, so a second run finds the
     # first one's prompts in the prefix cache (measured: 44% of a 32-stream run's prompt tokens).
     seed: int | None = None
-    ignore_eos: bool = True
+    ignore_eos: bool | None = None  # None: True, but for ``edit`` (a rewrite ends when it is done)
     slo_ttft: float | None = None  # seconds
     slo_itl: float | None = None  # seconds
 
@@ -53,6 +58,8 @@ class BenchConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be a whole number >= 1, got {value!r}")
         if self.seed is None:
             self.seed = random.SystemRandom().randrange(2**31)
+        if self.ignore_eos is None:
+            self.ignore_eos = self.workload != "edit"
         if not self.rate > 0:
             raise ValueError(f"rate must be > 0 requests per second, got {self.rate!r}")
         for name in ("slo_ttft", "slo_itl"):
@@ -66,6 +73,7 @@ class RequestPlan:
     start_s: float  # offset from the start of the run
     prompt: list[int]
     output_tokens: int
+    messages: list[dict[str, str]] | None = None  # a chat instead of ``prompt``'s ids (``edit``)
 
 
 @dataclass(slots=True)
@@ -93,6 +101,9 @@ def plan(config: BenchConfig, vocab_ids: list[int]) -> tuple[list[RequestPlan], 
         warm = RequestPlan(0.0, shared + tokens(config.prompt_tokens), 1)
         return [RequestPlan(0.0, shared + tokens(config.prompt_tokens), config.output_tokens)
                 for _ in range(config.num_streams)], warm
+    if config.workload == "edit":
+        return [RequestPlan(0.0, [], config.output_tokens, edit_messages(rng, config.prompt_tokens))
+                for _ in range(config.num_streams)], None
     start, plans = 0.0, []
     for _ in range(config.num_requests):
         start += rng.expovariate(config.rate)
@@ -100,6 +111,31 @@ def plan(config: BenchConfig, vocab_ids: list[int]) -> tuple[list[RequestPlan], 
         o = rng.randint(max(1, config.output_tokens // 2), config.output_tokens * 3 // 2)
         plans.append(RequestPlan(start, tokens(p), o))
     return plans, None
+
+
+# The texts of ``edit``: llmd's own source, as installed (a wheel has them as a checkout does).
+EDIT_SOURCES = ("protocol.py", "config.py", "client.py", "bench.py", "paths.py", "logs.py")
+CHARS_PER_TOKEN = 3.5  # of Python source, roughly, for the usual BPE vocabularies
+
+
+def edit_messages(rng: random.Random, prompt_tokens: int) -> list[dict[str, str]]:
+    """A chat asking for about ``prompt_tokens`` of source rewritten with one identifier renamed."""
+    import re
+    from importlib.resources import files
+
+    lines = files("llmd").joinpath(rng.choice(EDIT_SOURCES)).read_text(encoding="utf-8").splitlines()
+    start = rng.randrange(max(1, len(lines) - 20))
+    text, chars = [], int(prompt_tokens * CHARS_PER_TOKEN)
+    for line in lines[start:]:
+        if sum(len(t) + 1 for t in text) + len(line) > chars:
+            text = text or [line[:chars]]
+            break
+        text.append(line)
+    code = "\n".join(text)
+    names = sorted(set(re.findall(r"\b[a-z_][a-z0-9_]{3,}\b", code))) or ["value"]
+    old = rng.choice(names)
+    return [{"role": "user", "content": f"Here is some Python code:\n\n```python\n{code}\n```\n\nRewrite it with "
+                                        f"`{old}` renamed to `{old}_renamed`. Output the whole code and nothing else."}]
 
 
 def kernels_line(kernels: dict[str, str]) -> str:
@@ -202,7 +238,8 @@ def summarise(config: BenchConfig, records: list[RequestRecord], duration: float
     cached = sum(r.usage.get("cached_tokens", 0) for r in ok)
     counted = sum(len(r.token_times) for r in ok)
     return BenchReport(
-        workload=config.workload, seed=config.seed, num_requests=len(records), num_failed=len(records) - len(ok), duration_s=duration,
+        workload=config.workload, seed=config.seed, num_requests=len(records), num_failed=len(records) - len(ok),
+        duration_s=duration,
         request_throughput=len(ok) / duration, output_tokens_per_s=counted / duration, output_tokens=counted,
         output_tokens_reported=sum(r.usage.get("completion_tokens", 0) for r in ok), prompt_tokens=prompt,
         cached_prompt_tokens=cached, prefix_cache_hit_rate=cached / prompt if prompt else 0.0,
@@ -219,8 +256,9 @@ async def _one(client: Any, req: RequestPlan, t0: float, ignore_eos: bool, recor
 
     await asyncio.sleep(max(0.0, t0 + req.start_s - time.perf_counter()))
     record.sent = time.perf_counter()
+    source: dict[str, Any] = {"messages": req.messages} if req.messages is not None else {"token_ids": req.prompt}
     try:
-        async for item in client.generate(token_ids=req.prompt, max_tokens=req.output_tokens, temperature=0,
+        async for item in client.generate(**source, max_tokens=req.output_tokens, temperature=0,
                                           ignore_eos=ignore_eos):
             now = time.perf_counter()
             if isinstance(item, Result):
@@ -307,7 +345,8 @@ def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = Fa
         while pending and t0 + pending[0][1].start_s <= now:
             rid, req = pending.pop(0)
             records[rid].sent = now
-            engine.add_request(rid, req.prompt, SamplingParams(temperature=0, max_tokens=req.output_tokens,
+            ids = llm.apply_chat_template(req.messages) if req.messages is not None else req.prompt
+            engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=req.output_tokens,
                                                                ignore_eos=config.ignore_eos))
         if not engine.has_unfinished():
             time.sleep(max(0.0, t0 + pending[0][1].start_s - time.perf_counter()))

@@ -1,7 +1,8 @@
 """`llmd bench --url`: the same workloads against any OpenAI-compatible server (llmd's own HTTP API,
 llama-server, vLLM...), so peers are measured by one tool.
 
-Prompts go as token ids to ``/v1/completions`` (exact lengths, no chat template), outputs ignore
+Prompts go as token ids to ``/v1/completions`` (exact lengths, no chat template; ``edit``'s chats to
+``/v1/chat/completions``), outputs ignore
 end-of-text (``ignore_eos``, an extension llmd, llama-server and vLLM share), greedy, streamed. The
 ids come from the server's own ``/tokenize`` (llmd and llama-server have it; vLLM too), so any
 vocabulary works. Each streamed chunk with text counts as one token's arrival (these servers send
@@ -55,11 +56,15 @@ async def _model(client: Any, root: str) -> str:
 async def _one(client: Any, root: str, model: str, req: RequestPlan, t0: float, ignore_eos: bool,
                record: RequestRecord, progress: Any) -> None:
     await asyncio.sleep(max(0.0, t0 + req.start_s - time.perf_counter()))
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    body = {"model": model, "max_tokens": req.output_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if req.messages is not None:  # a chat (``edit``): the server applies its template
+        path, body["messages"] = "/v1/chat/completions", req.messages
+    else:
+        path, body["prompt"] = "/v1/completions", req.prompt
     record.sent = time.perf_counter()
     try:
-        async with client.stream("POST", root + "/v1/completions", json=body) as r:
+        async with client.stream("POST", root + path, json=body) as r:
             if r.status_code != 200:
                 record.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return
@@ -75,7 +80,7 @@ async def _one(client: Any, root: str, model: str, req: RequestPlan, t0: float, 
                     record.usage = {"prompt_tokens": u.get("prompt_tokens", 0),
                                     "completion_tokens": u.get("completion_tokens", 0),
                                     "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
                     record.token_times.append(time.perf_counter())
                     if progress is not None:
                         progress.update(1)

@@ -78,6 +78,22 @@ def test_plan_is_seeded_and_exact() -> None:
         BenchConfig(rate=0)
 
 
+def test_edit_workload_asks_for_code_rewritten(daemon) -> None:
+    config = BenchConfig(workload="edit", num_streams=3, prompt_tokens=100, output_tokens=12, seed=5)
+    plans, warm = plan(config, [])
+    assert warm is None and config.ignore_eos is False and len(plans) == 3
+    for p in plans:
+        text = p.messages[0]["content"]
+        old = text.split("with `", 1)[1].split("`", 1)[0]
+        code = text.split("```python\n", 1)[1].split("\n```", 1)[0]
+        assert old in code and f"`{old}_renamed`" in text and 0 < len(code) <= 100 * 3.5
+    assert [p.messages for p in plan(config, [])[0]] == [p.messages for p in plans]  # seeded
+    # this tiny model's tokens are bytes, and its context 256: 20 "tokens" of code are ~70 bytes
+    r = bench(daemon, "--workload", "edit", "--streams", "2", "--prompt-tokens", "20", "--output-tokens", "12")
+    assert r["workload"] == "edit" and r["num_failed"] == 0 and r["num_requests"] == 2, r["errors"]
+    assert 2 * 70 < r["prompt_tokens"] and 0 < r["output_tokens_reported"] <= 2 * 12
+
+
 def test_runs_do_not_reuse_each_others_prompts_unless_seeded(daemon) -> None:
     args = ("--streams", "2", "--prompt-tokens", "20", "--output-tokens", "3")
     first, second = bench(daemon, *args), bench(daemon, *args)
@@ -86,7 +102,7 @@ def test_runs_do_not_reuse_each_others_prompts_unless_seeded(daemon) -> None:
     assert again["cached_prompt_tokens"] >= 2 * 16
 
 
-@pytest.mark.parametrize("workload", ["streams", "prefix", "poisson"])
+@pytest.mark.parametrize("workload", ["streams", "prefix", "poisson", "edit"])
 def test_in_process_report_is_self_consistent(tmp_path, workload: str) -> None:
     """`--in-process`: the same workloads against llmd.LLM, with the same accounting."""
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "model", with_tokenizer=True)
@@ -99,7 +115,7 @@ def test_in_process_report_is_self_consistent(tmp_path, workload: str) -> None:
     n = 4 if workload == "poisson" else 3
     assert r["num_requests"] == n and r["num_failed"] == 0
     assert r["output_tokens"] == r["output_tokens_reported"]
-    if workload != "poisson":  # poisson draws mixed lengths
+    if workload not in ("poisson", "edit"):  # poisson draws mixed lengths, edit's chats may end early
         assert r["output_tokens"] == n * 20
     assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["duration_s"])
     assert 0 < r["ttft_p50"] <= r["ttft_p99"] <= r["e2e_p99"] <= r["duration_s"]

@@ -321,14 +321,21 @@ def test_taken_port_fails_start_at_once(model_dir, tmp, env) -> None:
 
 
 def test_bench_drives_the_http_api(url, env) -> None:
-    out = subprocess.run([sys.executable, "-m", "llmd", "bench", "--url", url + "/v1", "--streams", "3",
+    # two streams: this daemon runs two and queues two, and requests being encoded count as queued
+    out = subprocess.run([sys.executable, "-m", "llmd", "bench", "--url", url + "/v1", "--streams", "2",
                           "--prompt-tokens", "12", "--output-tokens", "9", "--json"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["num_failed"] == 0 and report["output_tokens_reported"] == 27
-    assert report["prompt_tokens"] == 36 and report["target"].endswith(url)
+    assert report["num_failed"] == 0 and report["output_tokens_reported"] == 18
+    assert report["prompt_tokens"] == 24 and report["target"].endswith(url)
     assert report["ttft_p50"] > 0 and report["peak_kv_usage"] is None
+    out = subprocess.run([sys.executable, "-m", "llmd", "bench", "--url", url, "--workload", "edit", "--streams", "2",
+                          "--prompt-tokens", "20", "--output-tokens", "6", "--json"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0 and report["num_failed"] == 0 and 0 < report["output_tokens_reported"] <= 12
+    assert report["prompt_tokens"] > 2 * 70  # the chats, with their template, through /v1/chat/completions
 
 
 def test_model_ids_are_url_and_tag_safe() -> None:

@@ -18,9 +18,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="measure the running daemon under load (throughput, latencies)",
                            description="A load generator against the running daemon; prints a report. Lengths are "
                                        "exact: prompts go as token ids, outputs ignore end-of-text.")
-    bench.add_argument("--workload", choices=["streams", "prefix", "poisson"], default="streams",
+    bench.add_argument("--workload", choices=["streams", "prefix", "poisson", "edit"], default="streams",
                        help="streams: N at once; prefix: a shared system prompt + distinct questions; "
-                            "poisson: random arrivals at --rate (default: streams)")
+                            "poisson: random arrivals at --rate; edit: N chats asking for ~--prompt-tokens of "
+                            "code rewritten with a name changed (output repeating the prompt) (default: streams)")
     bench.add_argument("--streams", "-n", type=positive_int, default=16, help="concurrent requests (default: 16)")
     bench.add_argument("--prompt-tokens", type=prompt_tokens, default=128, help="prompt length (default: 128)")
     bench.add_argument("--output-tokens", type=positive_int, default=128, help="output length (default: 128)")
