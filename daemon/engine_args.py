@@ -57,6 +57,7 @@ class EngineArgs:
     max_batched_tokens: int = _default("max_batched_tokens")
     prefix_cache: bool = _default("prefix_cache")
     cuda_graphs: bool = _default("cuda_graphs")
+    speculative: str = _default("speculative")
     models_dir: str | None = _default("models_dir")
     num_blocks: int | None = None
     max_model_len: int | None = None
@@ -80,7 +81,8 @@ class EngineArgs:
         return EngineConfig(block_size=self.block_size, kv_cache_mb=self.kv_cache_mb, num_blocks=self.num_blocks,
                             max_num_seqs=self.max_num_seqs, max_batched_tokens=self.max_batched_tokens,
                             max_model_len=self.max_model_len, prefix_cache=self.prefix_cache,
-                            gpu_memory_fraction=self.gpu_memory_fraction, cuda_graphs=self.cuda_graphs)
+                            gpu_memory_fraction=self.gpu_memory_fraction, cuda_graphs=self.cuda_graphs,
+                            speculative=self.speculative)
 
     def quant_config(self) -> QuantConfig:
         """``--quant`` and ``--group-size``, checked."""

@@ -1,6 +1,7 @@
 """Hypothesis drives the engine with random adds, steps, aborts and forced preemptions, and checks
 the block accounting after every action: no block both free and owned, ref counts equal owners,
-no double free, and no leak once everything has drained."""
+no double free, and no leak once everything has drained; with speculative decoding on or off
+(repeating prompts, so drafts are made, accepted and rolled back)."""
 
 from __future__ import annotations
 
@@ -47,16 +48,20 @@ class EngineMachine(RuleBasedStateMachine):
     engine_dir: Path
 
     @initialize(num_blocks=st.integers(8, 24), chunk=st.sampled_from([1, 3, 8, 64]),
-                caching=st.booleans())
-    def setup(self, num_blocks: int, chunk: int, caching: bool) -> None:
+                caching=st.booleans(), speculative=st.sampled_from(["off", "ngram"]))
+    def setup(self, num_blocks: int, chunk: int, caching: bool, speculative: str) -> None:
         self.engine = make_engine(self.engine_dir, num_blocks=num_blocks, block_size=4,
-                                  max_batched_tokens=chunk, prefix_cache=caching, max_num_seqs=6)
+                                  max_batched_tokens=chunk, prefix_cache=caching, max_num_seqs=6,
+                                  speculative=speculative)
         self.next_id = 0
         self.live: set[str] = set()
 
-    @rule(length=st.integers(1, 30), max_tokens=st.integers(1, 12), shared=st.booleans())
-    def add(self, length: int, max_tokens: int, shared: bool) -> None:
-        ids = (SHARED if shared else []) + [(7 * self.next_id + i) % 250 for i in range(length)]
+    @rule(length=st.integers(1, 30), max_tokens=st.integers(1, 12), shared=st.booleans(), period=st.sampled_from(
+        [0, 2, 5]))
+    def add(self, length: int, max_tokens: int, shared: bool, period: int) -> None:
+        # a period repeats the prompt, so that speculation drafts (and has drafts rejected)
+        ids = (SHARED if shared else []) + [(7 * self.next_id + (i % period if period else i)) % 250
+                                            for i in range(length)]
         rid = f"r{self.next_id}"
         self.next_id += 1
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -16,13 +16,24 @@ from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_bud
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
 from llmd.daemon.engine.model_runner import ModelRunner, kv_block_bytes
+from llmd.daemon.engine.ngram_proposer import DraftLength, accepted_prefix, propose
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.engine.scheduler import Scheduler, SchedulerConfig
+from llmd.daemon.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmd.daemon.engine.sequence import FinishReason, Sequence, check_priority
 from llmd.daemon.engine.stats import EngineStats, ThroughputMeter
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
+
+SPECULATIVE_MODES = ("off", "ngram")
+
+
+def _speculates(params: SamplingParams) -> bool:
+    """Whether a request's drafts can be verified here: greedy, without penalties or log-probabilities
+    (their verification, rejection sampling for sampled rows, is not built yet)."""
+    return (params.greedy and params.logprobs is None and params.prompt_logprobs is None
+            and params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty)
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -42,6 +53,9 @@ class EngineConfig:
         prefix_cache: reuse KV blocks of shared prompt prefixes.
         cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket (never run on a
             GPU yet: README "GPU status"; ignored elsewhere).
+        speculative: ``ngram`` drafts a greedy request's next tokens from its own prompt and output
+            (daemon/engine/ngram_proposer.py) and verifies them in the step that computes its next
+            token; ``off`` never drafts.
     """
 
     block_size: int = OPTIONS["block_size"].default
@@ -53,6 +67,7 @@ class EngineConfig:
     prefix_cache: bool = OPTIONS["prefix_cache"].default
     gpu_memory_fraction: float = OPTIONS["gpu_memory_fraction"].default
     cuda_graphs: bool = OPTIONS["cuda_graphs"].default
+    speculative: str = OPTIONS["speculative"].default
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -71,6 +86,8 @@ class EngineConfig:
         for name in ("prefix_cache", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
 
 
 @dataclass(slots=True)
@@ -79,6 +96,7 @@ class _Request:
     detok: RequestDetokenizer
     # per prompt position (the first has none), filled as the prompt is computed
     prompt_logprobs: list[Logprob | None] | None = None
+    drafts: DraftLength | None = None  # how many tokens to draft, for a request that speculates
 
 
 class LLMEngine:
@@ -114,6 +132,8 @@ class LLMEngine:
         )
         self.requests: dict[str, _Request] = {}
         self.meter = ThroughputMeter()
+        self.num_draft_tokens = 0  # speculative decoding, since start: tokens drafted
+        self.num_accepted_tokens = 0  # and the model's own among them
         self._peak_blocks_used = 0  # since take_peak_blocks_used() last ran
 
     @property
@@ -204,6 +224,8 @@ class LLMEngine:
         self.requests[request_id] = _Request(seq, RequestDetokenizer(self.tokenizer, params.stop))
         if params.prompt_logprobs is not None:
             self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
+        if self.config.speculative == "ngram" and _speculates(params):
+            self.requests[request_id].drafts = DraftLength()
         self.scheduler.add(seq)
         return seq
 
@@ -230,6 +252,8 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return every request's new output."""
         if self.runner is None:
             raise RuntimeError("the model is unloaded: load() it before stepping")
+        if self.config.speculative == "ngram":
+            self._draft()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -240,6 +264,7 @@ class LLMEngine:
                          for seq, n in zip(batch.seqs, batch.num_new_tokens))
         out = self.runner.run(batch)
         sampled, result = out.sampled, out.result
+        accepted = self._accept(batch, out.verified, sampled)
         for row, (first, scored) in out.prompt_logprobs.items():
             req = self.requests.get(batch.seqs[row].request_id)
             if req is not None:
@@ -248,23 +273,66 @@ class LLMEngine:
         self.meter.record(start, num_prompt, sum(t is not None for t in sampled))
         logprobs = iter(result.logprobs if result is not None else ())
         deltas = []
-        for seq, token in zip(batch.seqs, sampled):
+        for row, (seq, token) in enumerate(zip(batch.seqs, sampled)):
             if token is None:
                 continue
-            lp = next(logprobs)
+            lp = next(logprobs) if row not in out.verified else None
             req = self.requests.get(seq.request_id)
             if req is None:  # aborted during the step
                 continue
-            deltas.append(self._emit(req, token, lp))
+            deltas.append(self._emit(req, [*accepted.get(row, []), token], lp))
         return deltas
 
-    def _emit(self, req: _Request, token: int, lp: Logprob | None) -> RequestDelta:
-        """The delta of a sequence's new token, and its end if the token ends it (:meth:`_check_stop`)."""
+    def _draft(self) -> None:
+        """Draft tokens for the running greedy requests about to decode (speculative decoding)."""
+        for seq in self.scheduler.running:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.drafts is None or seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            # the drafts and the model's own token stay within max_tokens and the context
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            k = min(req.drafts.next(), room)
+            if k > 0:
+                seq.add_drafts(propose(seq.token_ids, k))
+
+    def _accept(self, batch: ScheduledBatch, verified: dict[int, list[int]], sampled: list[int | None]
+                ) -> dict[int, list[int]]:
+        """Verify the drafted rows: keep the drafts the model agrees with, and its own token after
+        them as the row's sampled one. Returns the accepted drafts by row."""
+        accepted = {}
+        for row, choices in verified.items():
+            seq = batch.seqs[row]
+            draft = seq.draft_token_ids
+            n = accepted_prefix(draft, choices)
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.drafts is not None:
+                req.drafts.update(len(draft), n)
+            self.num_draft_tokens += len(draft)
+            self.num_accepted_tokens += n
+            seq.accept_drafts(n)
+            accepted[row] = draft[:n]
+            sampled[row] = choices[n]
+        return accepted
+
+    def _emit(self, req: _Request, tokens: list[int], lp: Logprob | None) -> RequestDelta:
+        """The delta of a sequence's new tokens (more than one when drafts were accepted; all in its
+        token ids already), and its end if one of them ends it (:meth:`_check_stop`; the tokens
+        after the one that ends it are dropped)."""
         seq = req.seq
-        text, reason = self._check_stop(req, token)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        delta = RequestDelta(seq.request_id, text, [token], logprobs=[lp] if lp is not None else [])
+        pieces: list[str] = []
+        reason = None
+        for i, token in enumerate(tokens):
+            text, reason = self._check_stop(req, token, seq.num_output_tokens - (len(tokens) - 1 - i))
+            pieces.append(text)
+            if reason is not None:
+                extra = len(tokens) - 1 - i  # the tokens after this one, in the token ids already
+                if extra > 0:
+                    del seq.token_ids[len(seq.token_ids) - extra:]
+                    del seq.timings.token_times[len(seq.timings.token_times) - extra:]
+                tokens = tokens[:i + 1]
+                self.scheduler.finish(seq, reason)
+                break
+        delta = RequestDelta(seq.request_id, "".join(pieces), tokens, logprobs=[lp] if lp is not None else [])
         if seq.is_finished:
             delta.finished = True
             delta.finish_reason = seq.finish_reason.value
@@ -274,7 +342,7 @@ class LLMEngine:
             self.runner.release(seq.request_id)
         return delta
 
-    def _check_stop(self, req: _Request, token: int) -> tuple[str, FinishReason | None]:
+    def _check_stop(self, req: _Request, token: int, num_output: int) -> tuple[str, FinishReason | None]:
         """The text ``token`` adds and whether it ends the request, decided once, here: a stop token
         (EOS unless ignored, or a requested one: its own text is never shown, what was held back is),
         then a stop string in the text, then the length (``max_tokens``, or the context full), the held-back text flushed,
@@ -285,7 +353,7 @@ class LLMEngine:
         text, stopped = req.detok.push(token)
         if stopped:
             return text, FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or seq.num_prompt_tokens + num_output >= self.max_model_len:
             rest, stopped = req.detok.flush()
             return text + rest, FinishReason.STOP if stopped else FinishReason.LENGTH
         return text, None

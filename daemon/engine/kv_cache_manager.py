@@ -122,6 +122,15 @@ class KVCacheManager:
             self.pool.cache_block(block, seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
         self._num_cached_blocks[seq.request_id] = num_full
 
+    def trim(self, seq: Sequence) -> None:
+        """After rejected draft tokens left ``seq``: free the blocks past its tokens (tail first)
+        and forget the hashes of blocks that are no longer full of them."""
+        keep = -(-seq.num_tokens // self.block_size)
+        if len(seq.block_ids) > keep:
+            self.pool.free_blocks(self.pool.blocks[i] for i in reversed(seq.block_ids[keep:]))
+            del seq.block_ids[keep:]
+        del seq.block_hashes[seq.num_tokens // self.block_size:]
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so a shared prefix outlives its suffixes."""
         self.pool.free_blocks(self.pool.blocks[i] for i in reversed(seq.block_ids))

@@ -10,7 +10,7 @@ prompt rows of requests that asked for their prompt's log-probabilities.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,12 +51,15 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
 @dataclass(slots=True)
 class StepOutput:
     """What one step produced: per scheduled sequence the sampled token (None while its prompt is
-    unfinished), the sampler's result for the sampled rows, and for sequences that asked for
-    prompt log-probabilities ``{batch row: (position of the first token scored, [Logprob, ...])}``."""
+    unfinished), the sampler's result for the sampled rows, for sequences that asked for
+    prompt log-probabilities ``{batch row: (position of the first token scored, [Logprob, ...])}``,
+    and for rows with draft tokens the model's greedy choices to verify them by
+    ``{batch row: [token after the last one, after each draft...]}`` (their ``sampled`` is None)."""
 
     sampled: list[int | None]
     result: SampleResult | None
     prompt_logprobs: dict[int, tuple[int, list[Logprob]]]
+    verified: dict[int, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -183,7 +186,7 @@ class ModelRunner:
                 # the rows at positions start..end-1 predict tokens start+1..end: the prompt's ones
                 scored.append((row, first, min(end, seq.num_prompt_tokens - 1) - start))
             first += num_new
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and not seq.num_draft_tokens:
                 sample_rows.append(row)
                 sample_tokens.append(first - 1)
         if first == len(batch.seqs):  # one token each: a decode step
@@ -221,8 +224,9 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_caches, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         prompt_logprobs = self._prompt_logprobs(hidden, batch, scored) if scored else {}
+        verified = self._verify(hidden, batch)
         if not sample_rows:
-            return StepOutput(sampled, None, prompt_logprobs)
+            return StepOutput(sampled, None, prompt_logprobs, verified)
         logits = self.model.compute_logits(hidden[sample_tokens])
         rows = [
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq), seq.request_id)
@@ -231,7 +235,24 @@ class ModelRunner:
         result = self.sampler(logits, rows)
         for row, token in zip(sample_rows, result.token_ids):
             sampled[row] = token
-        return StepOutput(sampled, result, prompt_logprobs)
+        return StepOutput(sampled, result, prompt_logprobs, verified)
+
+    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch) -> dict[int, list[int]]:
+        """For each row with draft tokens (speculative decoding, greedy rows only): the model's own
+        choice after its last token and after each draft, k + 1 tokens, in one read of the device."""
+        spans, first = [], 0
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            first += num_new
+            if seq.num_draft_tokens:
+                spans.append((row, first - num_new, num_new))
+        if not spans:
+            return {}
+        index = torch.cat([torch.arange(f, f + n, device=hidden.device) for _, f, n in spans])
+        choices = self.model.compute_logits(hidden[index]).argmax(dim=-1).tolist()
+        out, at = {}, 0
+        for row, _, n in spans:
+            out[row], at = choices[at:at + n], at + n
+        return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: ScheduledBatch, scored: list[tuple[int, int, int]]
                          ) -> dict[int, tuple[int, list[Logprob]]]:

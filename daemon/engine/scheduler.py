@@ -118,6 +118,11 @@ def _num_left(seq: Sequence) -> int:
     return seq.num_tokens - seq.num_computed_tokens
 
 
+def _is_decode(seq: Sequence) -> bool:
+    """Its next token, and the draft tokens to verify with it (speculative decoding)."""
+    return _num_left(seq) == 1 + seq.num_draft_tokens
+
+
 def _place(seq: Sequence) -> tuple[int, float]:
     """A waiting sequence's place in the queue: priority, then arrival (a preempted one keeps it)."""
     return -seq.priority, seq.timings.arrival
@@ -157,11 +162,13 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_batched_tokens
         for seq in sorted(self.running, key=lambda s: -s.priority):
-            if budget and _num_left(seq) == 1:
+            if budget and _is_decode(seq):
+                if _num_left(seq) > budget:  # its drafts do not fit this step: just the token
+                    self._drop_drafts(seq)
                 batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
-                budget -= 1
-        work = [seq for seq in self.running if _num_left(seq) > 1]
+                batch.num_new_tokens.append(_num_left(seq))
+                budget -= _num_left(seq)
+        work = [seq for seq in self.running if not _is_decode(seq)]
         if not self._preempted and len(self.running) < limit:
             work += self.waiting
         work.sort(key=lambda s: (-s.priority, _num_left(s), s.timings.arrival))
@@ -269,6 +276,9 @@ class Scheduler:
         preempted = False
         for seq in list(self.running):
             while seq.status is SequenceStatus.RUNNING and self.kv.allocate_slots(seq, _num_left(seq)) is None:
+                if seq.num_draft_tokens:  # drafts are never worth a preemption
+                    self._drop_drafts(seq)
+                    continue
                 victim = self._pick_victim()
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -282,8 +292,13 @@ class Scheduler:
         # min() keeps the first of equals, so the newest wins ties
         return min(reversed(self.running), key=lambda s: (s.priority, -held[s.owner]))
 
+    def _drop_drafts(self, seq: Sequence) -> None:
+        seq.accept_drafts(0)
+        self.kv.trim(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence taken out of ``running`` and queue it for recompute in its old place."""
+        seq.accept_drafts(0)  # a guess must not be recomputed as if it were the prompt
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -301,7 +316,11 @@ class Scheduler:
         for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled):
             if seq.is_finished:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens += num_new
+            if seq.num_draft_tokens:
+                raise ValueError("verify the drafts (Sequence.accept_drafts) before update()")
+            # NOTE: a verified row computed its drafts too; only the accepted ones stay computed
+            seq.num_computed_tokens = min(seq.num_computed_tokens + num_new, seq.num_tokens)
+            self.kv.trim(seq)
             self.kv.cache_computed_blocks(seq)
             if token is not None:
                 seq.append_token(token)

@@ -76,6 +76,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     timings: Timings = field(default_factory=Timings)
+    # speculative decoding: draft tokens at the end of token_ids, computed with the next token and
+    # kept only as far as the model agrees (accept_drafts)
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -100,6 +103,26 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []
+
+    def add_drafts(self, draft: list[int]) -> None:
+        """Guesses of the next tokens, to verify in the next step (scheduled with the last token)."""
+        self.token_ids.extend(draft)
+        self.num_draft_tokens += len(draft)
+
+    def accept_drafts(self, num_accepted: int) -> None:
+        """Keep the first ``num_accepted`` drafts as output tokens, drop the rest."""
+        if not 0 <= num_accepted <= self.num_draft_tokens:
+            raise ValueError(f"accepted {num_accepted} of {self.num_draft_tokens} drafts")
+        del self.token_ids[len(self.token_ids) - self.num_draft_tokens + num_accepted:]
+        self.num_draft_tokens = 0
+        now = time.monotonic()
+        if num_accepted and self.timings.first_token is None:
+            self.timings.first_token = now
+        self.timings.token_times.extend([now] * num_accepted)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -1,0 +1,83 @@
+"""Speculative decoding with prompt-lookup drafts (issue 22, greedy rows): the same tokens with it on
+as off, whatever the batch; rejected drafts leave no blocks or cached hashes behind."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
+
+from llmd.daemon.engine.engine import EngineConfig
+from llmd.daemon.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("spec") / "model", with_tokenizer=True)
+
+
+def repetitive(i: int, n: int = 40) -> list[int]:
+    """A prompt that repeats itself, so drafts are proposed (and sometimes right)."""
+    unit = [(i * 13 + k * 7) % 250 for k in range(5 + i % 3)]
+    return (unit * (n // len(unit) + 1))[:n]
+
+
+def requests(params: SamplingParams, n: int = 6) -> list[tuple[int, str, list[int], SamplingParams]]:
+    return [(i % 3, f"r{i}", repetitive(i), params) for i in range(n)]
+
+
+@pytest.mark.parametrize("config", [dict(), dict(max_batched_tokens=16), dict(num_blocks=24, block_size=4),
+                                    dict(prefix_cache=False)], ids=["default", "small-budget", "preempting", "no-cache"])
+def test_greedy_tokens_are_the_same_with_speculation(model_dir, config: dict) -> None:
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    off = run_engine(make_engine(model_dir, **config), requests(params))
+    engine = make_engine(model_dir, speculative="ngram", **config)
+    on = run_engine(engine, requests(params))
+    assert on == off
+    assert engine.num_draft_tokens > 0 and engine.num_accepted_tokens > 0  # it did speculate, and hit
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks  # nothing leaked, rollbacks included
+    if config.get("num_blocks"):
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_stops_inside_accepted_drafts_are_exact(model_dir) -> None:
+    """max_tokens, stop tokens and stop strings land where they would one token at a time."""
+    base = run_engine(make_engine(model_dir), requests(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    for params in (SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[base["r1"][9]])):
+        off = run_engine(make_engine(model_dir), requests(params))
+        engine = make_engine(model_dir, speculative="ngram")
+        assert run_engine(engine, requests(params)) == off
+        assert engine.kv.pool.num_free_blocks == engine.num_blocks
+
+
+def test_sampled_and_penalised_rows_do_not_speculate(model_dir) -> None:
+    engine = make_engine(model_dir, speculative="ngram")
+    run_engine(engine, requests(SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True), 3)
+               + [(0, "p", repetitive(1), SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20))])
+    assert engine.num_draft_tokens == 0
+
+
+def test_the_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="speculative must be one of off, ngram"):
+        EngineConfig(speculative="draft")
+
+
+@pytest.mark.slow
+def test_default_model_fp32_reference_path_is_token_for_token(default_model_path) -> None:
+    """The default model on the fp32 reference path (dense, torch attention): chats asking for code
+    rewritten (drafts often right) and a question (drafts mostly wrong), the same tokens either way."""
+    import random
+
+    from llmd import LLM
+    from llmd.bench import edit_messages
+
+    chats = [edit_messages(random.Random(i), 120) for i in range(2)] + [
+        [{"role": "user", "content": "Explain what a hash table is."}]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    outs = {}
+    for mode in ("off", "ngram"):
+        llm = LLM(model=str(default_model_path), dtype="float32", quant="none", attention="torch", speculative=mode)
+        outs[mode] = [o.token_ids for o in llm.chat(chats, params)]
+        if mode == "ngram":
+            assert llm.engine.num_accepted_tokens > 0
+    assert outs["ngram"] == outs["off"]
