@@ -6,7 +6,8 @@ long spans of the prompt, so such guesses are often right and cost no second mod
 failing (ordinary chat), :class:`DraftLength` brings a sequence's draft length to 0, so it pays
 nothing but an occasional one-token probe.
 
-Not wired into the engine yet: verification in the batched step (the issue's item 3) is next.
+The engine (``--speculative ngram``) drafts with these before a step and verifies the drafts in it
+(daemon/engine/engine.py: ``_draft``, ``_accept``).
 """
 
 from __future__ import annotations
