@@ -34,6 +34,7 @@ def test_greedy_tokens_are_the_same_with_speculation(model_dir, config: dict) ->
     on = run_engine(engine, requests(params))
     assert on == off
     assert engine.num_draft_tokens > 0 and engine.num_accepted_tokens > 0  # it did speculate, and hit
+    assert engine.stats().num_generated_tokens_total == sum(map(len, on.values()))  # accepted drafts counted
     assert engine.kv.pool.num_free_blocks == engine.num_blocks  # nothing leaked, rollbacks included
     if config.get("num_blocks"):
         assert engine.scheduler.num_preemptions > 0

@@ -270,7 +270,7 @@ class LLMEngine:
             if req is not None:
                 req.prompt_logprobs[first:first + len(scored)] = scored
         self.scheduler.update(batch, sampled)
-        self.meter.record(start, num_prompt, sum(t is not None for t in sampled))
+        self.meter.record(start, num_prompt, sum(t is not None for t in sampled) + sum(map(len, accepted.values())))
         logprobs = iter(result.logprobs if result is not None else ())
         deltas = []
         for row, (seq, token) in enumerate(zip(batch.seqs, sampled)):
