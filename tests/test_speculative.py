@@ -82,3 +82,17 @@ def test_default_model_fp32_reference_path_is_token_for_token(default_model_path
         if mode == "ngram":
             assert llm.engine.num_accepted_tokens > 0
     assert outs["ngram"] == outs["off"]
+
+
+def test_drafts_take_only_what_prompt_work_leaves(model_dir) -> None:
+    """A waiting request's prompt chunk comes before another request's drafts in the step's budget."""
+    engine = make_engine(model_dir, speculative="ngram", max_batched_tokens=8)
+    engine.add_request("a", repetitive(0, 12), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens < 2:
+        engine.step()
+    engine.add_request("b", list(range(100, 130)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    a = engine.scheduler.running[0]
+    a.add_drafts([1, 2, 3])  # a has guesses to verify...
+    batch = engine.scheduler.schedule()
+    grants = dict(zip((s.request_id for s in batch.seqs), batch.num_new_tokens))
+    assert grants == {"a": 1, "b": 7} and a.num_draft_tokens == 0  # ...but b's prompt takes the budget first

@@ -161,13 +161,17 @@ class Scheduler:
             self._admit(self._blocker)  # first in, the moment it fits
         batch = ScheduledBatch()
         budget = self.config.max_batched_tokens
+        drafted: list[int] = []  # batch rows with draft tokens, given what the prompt work leaves
         for seq in sorted(self.running, key=lambda s: -s.priority):
             if budget and _is_decode(seq):
-                if _num_left(seq) > budget:  # its drafts do not fit this step: just the token
-                    self._drop_drafts(seq)
+                if seq.num_draft_tokens:
+                    drafted.append(len(batch.seqs))
                 batch.seqs.append(seq)
-                batch.num_new_tokens.append(_num_left(seq))
-                budget -= _num_left(seq)
+                batch.num_new_tokens.append(1)
+                budget -= 1
+            elif seq.num_draft_tokens:  # not scheduled: its guesses would be stale by its turn
+                self._drop_drafts(seq)
+        unpaced = budget
         work = [seq for seq in self.running if not _is_decode(seq)]
         if not self._preempted and len(self.running) < limit:
             work += self.waiting
@@ -183,6 +187,16 @@ class Scheduler:
             budget = self._share(queues, budget, grants)
         batch.seqs += grants
         batch.num_new_tokens += grants.values()
+        # Drafts last: speculation never takes budget from prompt work (another request's first token).
+        left = unpaced - sum(grants.values())
+        for row in drafted:
+            seq = batch.seqs[row]
+            keep = min(seq.num_draft_tokens, left)
+            if keep < seq.num_draft_tokens:
+                seq.truncate_drafts(keep)
+                self.kv.trim(seq)
+            batch.num_new_tokens[row] += keep
+            left -= keep
         self._num_prompt_tokens = sum(grants.values())
         self._scheduled_at = time.monotonic()
         return batch

@@ -113,6 +113,12 @@ class Sequence:
         self.token_ids.extend(draft)
         self.num_draft_tokens += len(draft)
 
+    def truncate_drafts(self, keep: int) -> None:
+        """Keep only the first ``keep`` drafts, still to verify."""
+        if keep < self.num_draft_tokens:
+            del self.token_ids[len(self.token_ids) - self.num_draft_tokens + keep:]
+            self.num_draft_tokens = max(keep, 0)
+
     def accept_drafts(self, num_accepted: int) -> None:
         """Keep the first ``num_accepted`` drafts as output tokens, drop the rest."""
         if not 0 <= num_accepted <= self.num_draft_tokens:
