@@ -72,16 +72,13 @@ def test_default_model_fp32_reference_path_is_token_for_token(default_model_path
     from llmd import LLM
     from llmd.bench import edit_messages
 
-    chats = [edit_messages(random.Random(i), 120) for i in range(2)] + [
-        [{"role": "user", "content": "Explain what a hash table is."}]]
-    params = SamplingParams(temperature=0, max_tokens=48)
-    outs = {}
-    for mode in ("off", "ngram"):
-        llm = LLM(model=str(default_model_path), dtype="float32", quant="none", attention="torch", speculative=mode)
-        outs[mode] = [o.token_ids for o in llm.chat(chats, params)]
-        if mode == "ngram":
-            assert llm.engine.num_accepted_tokens > 0
-    assert outs["ngram"] == outs["off"]
+    chats = [edit_messages(random.Random(1), 120), [{"role": "user", "content": "Explain what a hash table is."}]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    llm = LLM(model=str(default_model_path), dtype="float32", quant="none", attention="torch")
+    off = [o.token_ids for o in llm.chat(chats, params)]
+    llm.engine.config.speculative = "ngram"  # one load for both (the engine reads it per request and step)
+    on = [o.token_ids for o in llm.chat(chats, params)]
+    assert llm.engine.num_accepted_tokens > 0 and on == off
 
 
 def test_drafts_take_only_what_prompt_work_leaves(model_dir) -> None:
