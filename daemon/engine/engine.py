@@ -25,7 +25,7 @@ from llmd.daemon.engine.stats import EngineStats, ThroughputMeter
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
 
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = OPTIONS["speculative"].choices
 
 
 def _speculates(params: SamplingParams) -> bool:
@@ -310,6 +310,7 @@ class LLMEngine:
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += n
             seq.accept_drafts(n)
+            self.kv.trim(seq)  # the rejected drafts' blocks and hashes
             accepted[row] = draft[:n]
             sampled[row] = choices[n]
         return accepted

@@ -333,8 +333,8 @@ class Scheduler:
             if seq.num_draft_tokens:
                 raise ValueError("verify the drafts (Sequence.accept_drafts) before update()")
             # NOTE: a verified row computed its drafts too; only the accepted ones stay computed
+            # (the engine took the rest out and trimmed their blocks: LLMEngine._accept)
             seq.num_computed_tokens = min(seq.num_computed_tokens + num_new, seq.num_tokens)
-            self.kv.trim(seq)
             self.kv.cache_computed_blocks(seq)
             if token is not None:
                 seq.append_token(token)
