@@ -9,8 +9,9 @@ without speculation. Then the answer is replayed step by step as a speculative e
 each step drafts up to k tokens from the prompt and the output so far (daemon/engine/ngram_proposer.py,
 k from DraftLength), keeps the longest prefix equal to the answer's next tokens (greedy verification
 is exact, so these are the tokens the engine would accept) and adds the model's own next token.
-Reported: tokens per step (the ceiling on the speed-up, before a step's extra cost for verifying
-k tokens), acceptance (accepted / drafted tokens), and the share of steps that drafted at all.
+Reported: tokens per step (the ceiling on the speed-up), acceptance (accepted / drafted tokens), the
+share of steps that drafted at all, and the speed-up the cost model expects: tokens over steps plus
+``--cost`` (what verifying one draft token costs, as a share of a step) times the drafted tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import random
 import statistics
 
 from llmd.bench import edit_messages
-from llmd.daemon.engine.ngram_proposer import DraftLength, accepted_prefix, propose
+from llmd.daemon.engine.ngram_proposer import DRAFT_COST, MAX_DRAFT, DraftLength, accepted_prefix, propose
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a short poem about the sea.",
              "Explain what a hash table is.", "Give me three tips for learning to cook.",
@@ -28,9 +29,9 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a 
              "What should I pack for a weekend of hiking?", "Tell me a story about a lost key."]
 
 
-def replay(prompt: list[int], answer: list[int], max_draft: int) -> tuple[int, int, int, int]:
+def replay(prompt: list[int], answer: list[int], max_draft: int, cost: float) -> tuple[int, int, int, int]:
     """(steps, drafted tokens, accepted tokens, steps that drafted) for ``answer`` after ``prompt``."""
-    length = DraftLength(max_draft)
+    length = DraftLength(max_draft, cost)
     steps = drafted = accepted = drafting = done = 0
     while done < len(answer):
         k = length.next()
@@ -51,7 +52,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--prompt-tokens", type=int, default=250, help="edit: code per request, about")
     parser.add_argument("--max-tokens", type=int, default=300)
-    parser.add_argument("--max-draft", type=int, default=5)
+    parser.add_argument("--max-draft", type=int, default=MAX_DRAFT)
+    parser.add_argument("--cost", type=float, default=DRAFT_COST)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     from llmd import LLM, SamplingParams
@@ -61,18 +63,19 @@ def main() -> None:
     workloads = {"edit": [edit_messages(rng, args.prompt_tokens) for _ in range(args.requests)],
                  "chat": [[{"role": "user", "content": q}] for q in QUESTIONS[:args.requests]]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    print(f"max draft {args.max_draft}; greedy answers of up to {args.max_tokens} tokens")
+    print(f"max draft {args.max_draft}, cost {args.cost}; greedy answers of up to {args.max_tokens} tokens")
     print(f"{'workload':<8} {'requests':>8} {'tokens':>7} {'steps':>6} {'tok/step':>8} {'acceptance':>10} "
-          f"{'drafting':>8}  per request tok/step")
+          f"{'drafting':>8} {'expected':>8}  per request tok/step")
     for name, chats in workloads.items():
         outs = llm.chat(chats, params)
-        rows = [(out, replay(list(out.prompt_token_ids), list(out.token_ids), args.max_draft)) for out in outs]
+        rows = [(out, replay(list(out.prompt_token_ids), list(out.token_ids), args.max_draft, args.cost)) for out in outs]
         tokens = sum(len(out.token_ids) for out, _ in rows)
         steps = sum(r[0] for _, r in rows)
         drafted, accepted, drafting = (sum(r[i] for _, r in rows) for i in (1, 2, 3))
         per = [len(out.token_ids) / r[0] for out, r in rows if r[0]]
         print(f"{name:<8} {len(rows):>8} {tokens:>7} {steps:>6} {tokens / steps:>8.2f} "
-              f"{accepted / max(drafted, 1):>10.2f} {drafting / steps:>8.2f}  "
+              f"{accepted / max(drafted, 1):>10.2f} {drafting / steps:>8.2f} "
+              f"{tokens / (steps + args.cost * drafted):>7.2f}x  "
               f"median {statistics.median(per):.2f}, range {min(per):.2f}-{max(per):.2f}")
 
 

@@ -56,6 +56,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_decode_step": ([c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_void_p,
                           c_void_p], c_int),
     "llmd_rope": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_int, c_int], None),
+    "llmd_attention_spans": ([c_void_p, c_int64, c_void_p, c_int64, c_int64, c_void_p], c_int64),
     "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_float, c_void_p, c_int], None),
 }

@@ -310,3 +310,35 @@ def test_decode_attention_split_over_keys_matches_reference(lib, cache_dtype, se
     got = attention_cpu.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window, lib)
     want = attention_ref.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [[(14, 5)], [(298, 6)], [(40, 1), (98, 5), (1, 1), (15, 3)]],
+                         ids=["block-edge", "split-keys", "mixed"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_attention_over_verified_spans_matches_reference(lib, cache_dtype, layout: list[tuple[int, int]],
+                                                                window: int | None) -> None:
+    """Speculative verification's rows: a span of consecutive positions of one sequence (the same
+    block table), each row seeing keys up to itself, read once for the span. A span across a block
+    edge, one long enough that its keys are split between threads (with a window, so that some rows'
+    parts are empty), spans beside lone rows."""
+    from llmd.kernels import attention_cpu, attention_ref
+
+    g = torch.Generator().manual_seed(sum(n for n, _ in layout) + (window or 0))
+    block_size, head_dim, num_kv_heads, num_heads = 16, 64, 3, 9
+    width = max(-(-(start + n) // block_size) for start, n in layout)
+    num_blocks = len(layout) * width + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    own = torch.randperm(num_blocks, generator=g)[:len(layout) * width].reshape(len(layout), width)
+    # row r of a span (start, n): the sequence's table, length start + r + 1
+    tables = torch.cat([own[i:i + 1].expand(n, -1) for i, (_, n) in enumerate(layout)])
+    seq_lens = [start + r + 1 for start, n in layout for r in range(n)]
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    spans, lens = torch.zeros(len(seq_lens) + 1, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.int32)
+    num_spans = lib.llmd_attention_spans(tables.data_ptr(), width, lens.data_ptr(), len(seq_lens), block_size,
+                                         spans.data_ptr())
+    assert num_spans == len(layout)  # found exactly the spans laid out
+    got = attention_cpu.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window, lib)
+    want = attention_ref.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)

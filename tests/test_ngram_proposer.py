@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd.daemon.engine.ngram_proposer import DraftLength, accepted_prefix, propose
+from llmd.daemon.engine.ngram_proposer import DRAFT_COST, MAX_DRAFT, DraftLength, accepted_prefix, draft_cost, propose
 
 
 def reference(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
@@ -39,8 +39,8 @@ def test_matches_the_brute_force_reference(tokens: list[int], k: int) -> None:
 
 
 def test_draft_length_follows_acceptance() -> None:
-    d = DraftLength(max_draft=5, alpha=0.5, probe_every=4)
-    assert d.next() == 5
+    d = DraftLength(max_draft=5, cost=0.2, alpha=0.5, probe_every=4)
+    assert d.next() == 5  # optimistic at first
     d.update(5, 5)
     assert d.next() == 5
     for _ in range(6):  # drafts keep failing: down to nothing
@@ -51,13 +51,27 @@ def test_draft_length_follows_acceptance() -> None:
     for _ in range(4):  # the output starts repeating: back up
         d.update(1, 1)
     assert d.next() >= 4
+    for _ in range(12):  # one of every two draft tokens kept: p -> 1/2, and 1/4 > cost > 1/8 gives two
+        d.update(d.next(), 1)
+    assert abs(d.p - 0.5) < 0.05 and d.next() == 2
+    assert DraftLength(max_draft=5, cost=0.75).next() == 2  # 0.9, 0.81 > 0.75 > 0.729: a dearer verify drafts less
     d.update(0, 0)  # nothing proposed: nothing learned
     with pytest.raises(ValueError):
         d.update(2, 3)
     with pytest.raises(ValueError):
         DraftLength(max_draft=0)
+    with pytest.raises(ValueError):
+        DraftLength(cost=1.5)
 
 
 def test_accepted_prefix() -> None:
     assert accepted_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert accepted_prefix([1, 2], [1, 2, 9]) == 2 and accepted_prefix([7], [1]) == 0 and accepted_prefix([], [1]) == 0
+
+
+def test_a_draft_costs_more_in_a_fuller_step() -> None:
+    costs = [draft_cost(n) for n in (1, 2, 4, 16, 64)]
+    assert abs(costs[0] - DRAFT_COST) < 1e-12 and costs == sorted(costs) and 0 < costs[0] and costs[-1] < 1
+    d = DraftLength()
+    d.p = 0.6  # 0.6, 0.36, 0.216 > cost alone (0.2); only 0.6 > cost in a step of 16 (0.5)
+    assert d.next(draft_cost(1)) == MAX_DRAFT == 3 and d.next(draft_cost(16)) == 1

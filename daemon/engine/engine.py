@@ -16,7 +16,7 @@ from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_bud
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
 from llmd.daemon.engine.model_runner import ModelRunner, kv_block_bytes
-from llmd.daemon.engine.ngram_proposer import DraftLength, accepted_prefix, propose
+from llmd.daemon.engine.ngram_proposer import DraftLength, accepted_prefix, draft_cost, propose
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -285,13 +285,15 @@ class LLMEngine:
 
     def _draft(self) -> None:
         """Draft tokens for the running greedy requests about to decode (speculative decoding)."""
+        # the more rows a step has, the more a draft token costs next to a sequence's own one
+        cost = draft_cost(len(self.scheduler.running))
         for seq in self.scheduler.running:
             req = self.requests.get(seq.request_id)
             if req is None or req.drafts is None or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             # the drafts and the model's own token stay within max_tokens and the context
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            k = min(req.drafts.next(), room)
+            k = min(req.drafts.next(cost), room)
             if k > 0:
                 seq.add_drafts(propose(seq.token_ids, k))
 

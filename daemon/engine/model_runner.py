@@ -197,26 +197,40 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
         bs = self.block_size
+        max_blocks = max(len(seq.block_ids) for seq in batch.seqs)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + num_new])
             positions.extend(range(start, start + num_new))
             blocks = seq.block_ids
             slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(start, start + num_new))
-        max_blocks = max(len(seq.block_ids) for seq in batch.seqs)
-        tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in batch.seqs]
+            table = blocks + [0] * (max_blocks - len(blocks))
+            if seq.num_draft_tokens:
+                # A verified span goes in as one-token rows, each seeing the context up to itself:
+                # every backend writes a step's K/V before it attends, so this is the span's causal
+                # attention, and a step of decode and verified rows stays a pure decode step (the
+                # CPU's fused native step, the GPU's decode kernels).
+                query_lens.extend([1] * num_new)
+                seq_lens.extend(range(start + 1, start + num_new + 1))
+                tables.extend([table] * num_new)
+            else:
+                query_lens.append(num_new)
+                seq_lens.append(start + num_new)
+                tables.append(table)
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=host_tensor(slots, torch.long, dev), query_lens=list(batch.num_new_tokens),
-                                 seq_lens=[s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)],
-                                 block_tables=host_tensor(tables, torch.long, dev))
+        meta = AttentionMetadata(slot_mapping=host_tensor(slots, torch.long, dev), query_lens=query_lens,
+                                 seq_lens=seq_lens, block_tables=host_tensor(tables, torch.long, dev))
         return (host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev), meta, sample_rows,
                 host_tensor(sample_tokens, torch.long, dev), scored)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step (see :class:`StepOutput`)."""
         ids, pos, meta, sample_rows, sample_tokens, scored = self.prepare(batch)
-        if self.cuda_graphs and meta.max_query_len == 1:
+        if self.cuda_graphs and sum(batch.num_new_tokens) == len(batch.seqs):  # inputs in decode_inputs
             if self._graphs is None:
                 self._graphs = DecodeGraphs(self.model, self.decode_inputs, self.kv_caches, self.max_model_len)
             hidden = self._graphs.run(ids.shape[0])

@@ -12,6 +12,7 @@ The engine (``--speculative ngram``) drafts with these before a step and verifie
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,7 +20,25 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 MIN_NGRAM = 1
 MAX_NGRAM = 4
-MAX_DRAFT = 5
+# NOTE: 3 drafts make a verified row 4 tokens: the CPU's quantised matmuls take 4 activation rows per
+# pass over the weights (kernels/cpu/quant_gemm.c, MT), so a 5th token costs a second pass.
+MAX_DRAFT = 3
+# What verifying one draft token costs, as a share of what a step spends on each of its rows,
+# measured on the default model on the CPU (2 cores; benchmarks/ngram_acceptance.py has the cost
+# model): alone at a 600-token context a 4-token verified row costs ~1.5x a 1-token step (0.2 a
+# draft); in a step of 16 sequences at 320 tokens, each sequence's first draft adds ~0.5 of its
+# row's share (the step is bound by arithmetic by then, not by reading the weights).
+COST_ALONE, COST_AT_16 = 0.2, 0.5
+
+
+def draft_cost(num_rows: int) -> float:
+    """What a draft token costs in a step of ``num_rows`` sequences: the two measurements above,
+    interpolated (and carried on) in log2 of the rows, at most 0.9."""
+    slope = (COST_AT_16 - COST_ALONE) / 4  # per doubling of the rows
+    return min(0.9, COST_ALONE + slope * math.log2(max(num_rows, 1)))
+
+
+DRAFT_COST = draft_cost(1)
 SEARCH_WINDOW = 8192  # tokens looked back through: bounds a step's work on a long context
 
 
@@ -48,24 +67,35 @@ def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, 
 class DraftLength:
     """How many tokens to draft for one sequence, from its recent acceptance.
 
-    An exponential average of the accepted share of each draft sets the length (``max_draft`` when
-    drafts are taken whole). Below one token it drafts nothing, but probes with one token every
-    ``probe_every`` steps, so a sequence whose output starts repeating is noticed.
+    ``p``, the chance that a draft token is accepted given that the ones before it were, is an
+    exponential average of each verification's accepted / tried tokens (a draft rejected at its
+    (n+1)-th token tried n + 1 and accepted n). The k-th draft token is kept only while ``p ** k``,
+    the chance it is accepted at all, exceeds ``cost``, what verifying it costs as a share of a
+    step. With none worth it, it drafts nothing but probes with one token every ``probe_every``
+    steps, so a sequence whose output starts repeating is noticed.
     """
 
-    def __init__(self, max_draft: int = MAX_DRAFT, alpha: float = 0.5, probe_every: int = 16) -> None:
+    def __init__(self, max_draft: int = MAX_DRAFT, cost: float = DRAFT_COST, alpha: float = 0.3,
+                 probe_every: int = 16) -> None:
         if not 1 <= max_draft <= 64:
             raise ValueError(f"max_draft must be 1 to 64, got {max_draft}")
+        if not 0 < cost < 1:
+            raise ValueError(f"cost must be in (0, 1), got {cost}")
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.max_draft, self.alpha, self.probe_every = max_draft, alpha, probe_every
-        self.rate = 1.0  # optimistic: a new sequence tries a full draft
+        self.max_draft, self.cost, self.alpha, self.probe_every = max_draft, cost, alpha, probe_every
+        self.p = 0.9  # optimistic: a new sequence tries a full draft
         self._idle_steps = 0
 
-    def next(self) -> int:
-        """The draft length for this step."""
-        k = int(self.rate * self.max_draft + 0.5)
+    def next(self, cost: float | None = None) -> int:
+        """The draft length for this step; ``cost``: this step's cost of a draft token, if not
+        ``self.cost`` (:func:`draft_cost`)."""
+        cost = self.cost if cost is None else cost
+        k, chance = 0, self.p
+        while k < self.max_draft and chance > cost:
+            k, chance = k + 1, chance * self.p
         if k > 0:
+            self._idle_steps = 0
             return k
         self._idle_steps += 1
         if self._idle_steps >= self.probe_every:
@@ -79,7 +109,8 @@ class DraftLength:
             return
         if not 0 <= accepted <= proposed:
             raise ValueError(f"accepted must be in [0, {proposed}], got {accepted}")
-        self.rate += self.alpha * (accepted / proposed - self.rate)
+        tried = accepted + (accepted < proposed)
+        self.p += self.alpha * (accepted / tried - self.p)
 
 
 def accepted_prefix(draft: Sequence[int], target: Sequence[int]) -> int:

@@ -59,6 +59,7 @@ typedef struct {
 typedef struct {
     float *h, *qkv, *attn, *tmp, *gu, *act, *xd, *xm, *cos, *sin, *partial;
     int8_t *xq;
+    int64_t *spans;
 } buffers;
 
 static int64_t max_splits(int nthreads) {
@@ -90,6 +91,7 @@ static size_t carve(buffers *b, const llmd_model *md, int64_t M, char *base) {
     TAKE(cos, float, M * D / 2);
     TAKE(sin, float, M * D / 2);
     TAKE(partial, float, llmd_attention_partial_floats(M, md->num_heads, D, max_splits(md->nthreads)) + 1);
+    TAKE(spans, int64_t, M + 1);
 #undef TAKE
     return off;
 }
@@ -124,25 +126,6 @@ static inline void rmsnorm_row(const float *x, const float *w, int64_t n, float 
     for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
 }
 
-#ifdef DS_AVX2
-/* e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial;
- * within 2 ulp of expf over the clamped range). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
-}
-#endif
 
 /* act = silu(gate) * up = gate / (1 + e^-gate) * up */
 static inline void silu_mul_row(const float *gate, const float *up, int64_t n, float *act) {
@@ -151,7 +134,7 @@ static inline void silu_mul_row(const float *gate, const float *up, int64_t n, f
     const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= n; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = exp8(_mm256_xor_ps(g, neg));
+        const __m256 e = llmd_exp8(_mm256_xor_ps(g, neg));
         _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
     }
 #endif
@@ -212,7 +195,9 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
     carve(&b, md, M, base);
     int64_t max_len = 0;
     for (int64_t m = 0; m < M; m++) max_len = seq_lens[m] > max_len ? seq_lens[m] : max_len;
-    const int64_t splits = llmd_attention_splits(M, KVH, max_len, md->nthreads);
+    /* a verified span of drafts is rows of one context, which attention reads once for all of them */
+    const int64_t num_spans = llmd_attention_spans(block_tables, max_blocks, seq_lens, M, md->block_size, b.spans);
+    const int64_t splits = llmd_attention_splits(num_spans, KVH, max_len, md->nthreads);
     const int bf16 = md->cache_bf16;
     const size_t token_bytes = (size_t)kv_size * (bf16 ? 2 : 4);
 #pragma omp parallel num_threads(md->nthreads)
@@ -245,8 +230,8 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
                 }
             }
             llmd_decode_attention_body(b.qkv, qkv_size, ly->k_cache, ly->v_cache, bf16, block_tables, max_blocks,
-                                       seq_lens, M, NH, KVH, D, md->block_size, ly->window, md->scale, splits,
-                                       b.partial, b.attn);
+                                       seq_lens, b.spans, num_spans, NH, KVH, D, md->block_size, ly->window,
+                                       md->scale, splits, b.partial, b.attn);
             llmd_q8_quantize_body(b.attn, M, q_size, b.xq, b.xd, b.xm);
             linear(&ly->o, M, &b, b.tmp);
 #pragma omp for schedule(static)

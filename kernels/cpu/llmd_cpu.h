@@ -20,6 +20,24 @@ static inline float llmd_hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial;
+ * within 2 ulp of expf over the clamped range). */
+static inline __m256 llmd_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
 #endif
 
 /* Weight layouts the quantised matmuls read (llmd.kernels.quant_cpu repacks llmd.quant's). */
@@ -37,13 +55,18 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
                      const uint8_t *w, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t group,
                      float *out, int64_t ldo);
 
-/* Decode attention (paged_attention.c): q rows of stride ldq (floats), out [B, H * D]. `partial`:
+/* Decode attention (paged_attention.c): q rows of stride ldq (floats), out [B, H * D]. `spans`:
+ * the first row of each group of rows reading one context, then B (llmd_attention_spans fills
+ * num_spans + 1 entries); the splits are for num_spans tasks per KV head. `partial`:
  * llmd_attention_partial_floats(...) floats of scratch when splits > 1, else unused. */
+int64_t llmd_attention_spans(const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t B,
+                             int64_t block_size, int64_t *first);
 int64_t llmd_attention_splits(int64_t B, int64_t KVH, int64_t max_len, int nthreads);
 int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D, int64_t splits);
 void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_bf16,
-                                const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t B,
-                                int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
-                                int64_t splits, float *partial, float *out);
+                                const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                const int64_t *spans, int64_t num_spans, int64_t H, int64_t KVH, int64_t D,
+                                int64_t block_size, int64_t window, float scale, int64_t splits, float *partial,
+                                float *out);
 
 #endif

@@ -12,6 +12,12 @@
  * key and head). With fewer (sequence, KV head) pairs than twice the threads (one stream), each
  * context's keys are split between tasks and the parts combined by log-sum-exp. Matches
  * llmd.kernels.attention_ref.decode_attention within fp32 rounding.
+ *
+ * Rows may share a context: a span of draft tokens being verified (speculative decoding) comes as
+ * consecutive rows of one sequence, each one position further (llmd_attention_spans finds them).
+ * A span's rows are one task per KV head: each key and value is read (and widened) once for all
+ * of them, and each row attends to the keys up to its own position, so verifying k drafts costs
+ * about one row's cache reads, not k + 1.
  */
 #include <math.h>
 #include <stdint.h>
@@ -128,9 +134,62 @@ static void weighted_sum(const float *const *rows, const float *p, int64_t n, in
     }
 }
 
+/* s[i] = e^(s[i] - max) in place, for n > 0 scores; returns the max (through *mx) and the sum.
+ * Vectorised: the exponentials are most of a row's softmax, which at a few hundred keys is as
+ * much work as its two dot products. */
+static float softmax_numerators(float *s, int64_t n, float *mx_out) {
+    int64_t i = 0;
+    float mx = -INFINITY, total = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) {
+        __m256 m8 = _mm256_loadu_ps(s);
+        for (i = 8; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + i));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        mx = _mm_cvtss_f32(m4);
+    }
+#endif
+    for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = llmd_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    total = llmd_hsum8(acc);
+#endif
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - mx);
+        total += s[i];
+    }
+    *mx_out = mx;
+    return total;
+}
+
 /* Keys of one (sequence, KV head) split between this many tasks when there are too few such pairs
  * to keep every thread busy (one stream has only KVH of them); each split needs this many keys. */
 #define MIN_SPLIT_KEYS 64
+
+int64_t llmd_attention_spans(const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t B,
+                             int64_t block_size, int64_t *first) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++) {
+        /* NOTE: rows whose tables agree over every block the later one reads see the same keys,
+         * so grouping them is exact whatever they are; in practice only a verified span matches
+         * (another sequence's table differs at least in the block its new token is written to). */
+        const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size;
+        const int joins = b > 0 && seq_lens[b] == seq_lens[b - 1] + 1 && blocks <= max_blocks &&
+                          memcmp(block_tables + b * max_blocks, block_tables + (b - 1) * max_blocks,
+                                 sizeof(int64_t) * (size_t)blocks) == 0;
+        if (!joins) first[n++] = b;
+    }
+    first[n] = B;
+    return n;
+}
 
 int64_t llmd_attention_splits(int64_t B, int64_t KVH, int64_t max_len, int nthreads) {
     int64_t splits = 1;
@@ -144,32 +203,35 @@ int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D, int64_t s
 }
 
 void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_bf16,
-                                const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t B,
-                                int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
-                                int64_t splits, float *partial, float *out) {
+                                const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                const int64_t *spans, int64_t num_spans, int64_t H, int64_t KVH, int64_t D,
+                                int64_t block_size, int64_t window, float scale, int64_t splits, float *partial,
+                                float *out) {
     const int64_t group = H / KVH;
     const size_t elem = cache_bf16 ? 2 : 4;
     const int64_t token_stride = KVH * D;
+    const int64_t B = spans[num_spans];
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     /* this thread's scratch, sized for the longest part of a context */
     const int64_t max_n = (max_len + splits - 1) / splits > 0 ? (max_len + splits - 1) / splits : 1;
-    float *scores = malloc(sizeof(float) * (size_t)(group * max_n));
+    float *scores = malloc(sizeof(float) * (size_t)max_n);
     /* K and V rows as fp32: the cache's own rows, or widened once for the whole group (bf16 caches) */
     const float **k_rows = malloc(sizeof(float *) * (size_t)max_n);
     const float **v_rows = malloc(sizeof(float *) * (size_t)max_n);
     float *k_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
     float *v_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KVH * splits; task++) {
-        const int64_t b = task / (KVH * splits), kvh = task / splits % KVH, split = task % splits;
-        const int64_t len = seq_lens[b];
-        const int64_t first = window > 0 && len > window ? len - window : 0;
+    for (int64_t task = 0; task < num_spans * KVH * splits; task++) {
+        const int64_t span = task / (KVH * splits), kvh = task / splits % KVH, split = task % splits;
+        const int64_t b0 = spans[span], b1 = spans[span + 1];
+        /* the span's keys: from the first row's earliest visible one to the last row's newest */
+        const int64_t len = seq_lens[b1 - 1];
+        const int64_t first = window > 0 && seq_lens[b0] > window ? seq_lens[b0] - window : 0;
         const int64_t chunk = (len - first + splits - 1) / splits;
         const int64_t start = first + split * chunk < len ? first + split * chunk : len;
         const int64_t end = start + chunk < len ? start + chunk : len;
-        const int64_t n = end - start;
-        const int64_t *table = block_tables + b * max_blocks;
+        const int64_t *table = block_tables + b0 * max_blocks;
         for (int64_t pos = start; pos < end; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
             const int64_t offset = (slot * token_stride + kvh * D) * (int64_t)elem, i = pos - start;
@@ -185,25 +247,28 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
             k_rows[i] = row_f32((const char *)k_cache + offset, cache_bf16, D, cache_bf16 ? k_widened + i * D : NULL);
             v_rows[i] = row_f32((const char *)v_cache + offset, cache_bf16, D, cache_bf16 ? v_widened + i * D : NULL);
         }
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t h = kvh * group + g;
-            float *s = scores + g * n;
-            scores_for(q + b * ldq + h * D, k_rows, n, D, scale, s);
-            float mx = -INFINITY, total = 0.0f;
-            for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-            for (int64_t i = 0; i < n; i++) {
-                s[i] = expf(s[i] - mx);
-                total += s[i];
-            }
-            if (splits == 1) {
-                const float inv = n > 0 ? 1.0f / total : 0.0f;
-                for (int64_t i = 0; i < n; i++) s[i] *= inv;
-                weighted_sum(v_rows, s, n, D, out + (b * H + h) * D);
-            } else { /* combined below */
-                float *part = partial + ((b * H + h) * splits + split) * (D + 2);
-                part[0] = mx;
-                part[1] = total;
-                weighted_sum(v_rows, s, n, D, part + 2);
+        for (int64_t b = b0; b < b1; b++) {
+            /* this row's keys within the task's: [lo, hi) */
+            const int64_t row_first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+            const int64_t lo = row_first > start ? row_first : start;
+            const int64_t hi = seq_lens[b] < end ? seq_lens[b] : end;
+            const int64_t n = hi > lo ? hi - lo : 0;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t h = kvh * group + g;
+                float *s = scores;
+                scores_for(q + b * ldq + h * D, k_rows + (lo - start), n, D, scale, s);
+                float mx = -INFINITY;
+                const float total = n > 0 ? softmax_numerators(s, n, &mx) : 0.0f;
+                if (splits == 1) { /* every row sees at least its own key: n > 0 */
+                    const float inv = n > 0 ? 1.0f / total : 0.0f;
+                    for (int64_t i = 0; i < n; i++) s[i] *= inv;
+                    weighted_sum(v_rows + (lo - start), s, n, D, out + (b * H + h) * D);
+                } else { /* combined below; an empty part (total 0) is skipped there */
+                    float *part = partial + ((b * H + h) * splits + split) * (D + 2);
+                    part[0] = mx;
+                    part[1] = total;
+                    weighted_sum(v_rows + (lo - start), s, n, D, part + 2);
+                }
             }
         }
     }
@@ -240,11 +305,14 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
                                  int64_t window, float scale, float *out, int nthreads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    const int64_t splits = llmd_attention_splits(B, KVH, max_len, nthreads);
+    int64_t *spans = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    const int64_t num_spans = llmd_attention_spans(block_tables, max_blocks, seq_lens, B, block_size, spans);
+    const int64_t splits = llmd_attention_splits(num_spans, KVH, max_len, nthreads);
     const int64_t floats = llmd_attention_partial_floats(B, H, D, splits);
     float *partial = floats ? malloc(sizeof(float) * (size_t)floats) : NULL;
 #pragma omp parallel num_threads(nthreads)
-    llmd_decode_attention_body(q, H * D, k_cache, v_cache, cache_bf16, block_tables, max_blocks, seq_lens, B, H, KVH,
-                               D, block_size, window, scale, splits, partial, out);
+    llmd_decode_attention_body(q, H * D, k_cache, v_cache, cache_bf16, block_tables, max_blocks, seq_lens, spans,
+                               num_spans, H, KVH, D, block_size, window, scale, splits, partial, out);
     free(partial);
+    free(spans);
 }
