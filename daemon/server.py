@@ -270,6 +270,10 @@ class Server:
         content["timings"] = {
             "queue_s": m.queue_time if m else None, "ttft_s": m.ttft if m else None,
             "e2e_s": m.e2e if m else None, "decode_tokens_per_s": m.decode_tokens_per_s if m else None,
+            "verifications": m.num_verifications if m else 0, "draft_tokens": m.num_draft_tokens if m else 0,
+            "accepted_draft_tokens": m.num_accepted_draft_tokens if m else 0,
+            "draft_acceptance_rate": m.draft_acceptance_rate if m else None,
+            "mean_accepted_length": m.mean_accepted_length if m else None,
         }
         if delta is not None and delta.prompt_logprobs is not None:
             content["prompt_logprobs"] = [None if lp is None else [lp[0], [list(p) for p in lp[1]]]

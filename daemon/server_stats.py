@@ -50,7 +50,7 @@ class ServerStats:
         engine = self.engine
         return {**self.model_info, "version": __version__, "pid": os.getpid(), "started": self.started,
                 "max_model_len": engine.max_model_len, "block_size": engine.config.block_size,
-                "num_blocks": engine.num_blocks, **self.limits}
+                "num_blocks": engine.num_blocks, "speculative": engine.config.speculative, **self.limits}
 
     def live_view(self, live: Mapping[str, LiveRequest]) -> dict[str, Any]:
         """The block map and request table of the published stats (docs/protocol.md)."""

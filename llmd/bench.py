@@ -83,6 +83,7 @@ class RequestRecord:
     end: float = 0.0
     usage: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    speculation: tuple[int, int, int] = (0, 0, 0)  # verifications, draft tokens verified, accepted
 
 
 def plan(config: BenchConfig, vocab_ids: list[int]) -> tuple[list[RequestPlan], RequestPlan | None]:
@@ -180,6 +181,10 @@ class BenchReport:
     preemptions: int | None  # None: not measured (another server, over HTTP)
     errors: list[str]
     kernels: dict[str, str] = field(default_factory=dict)  # what served the run (the model's kernels())
+    # speculative decoding over the run: verifications, draft tokens verified, accepted among them
+    verifications: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     target: str = ""  # the server measured, when it is not the local daemon (``--url``)
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +207,10 @@ class BenchReport:
             ("goodput", "-" if self.goodput is None else f"{self.goodput:.2f} req/s within the SLOs"),
             ("KV cache", "- (not measured over HTTP)" if self.peak_kv_usage is None else
              f"peak {100 * self.peak_kv_usage:.1f}% in use, {self.preemptions} preemptions"),
+            ("speculation", "no drafts verified" if not self.draft_tokens else
+             f"{self.accepted_draft_tokens} of {self.draft_tokens} draft tokens accepted "
+             f"({100 * self.accepted_draft_tokens / self.draft_tokens:.0f}%), "
+             f"{1 + self.accepted_draft_tokens / max(self.verifications, 1):.2f} tokens per verification"),
             ("kernels", kernels_line(self.kernels)),
         ]
         if self.target:
@@ -247,6 +256,8 @@ def summarise(config: BenchConfig, records: list[RequestRecord], duration: float
         itl_p50=_pct(itls, 0.5), itl_p99=_pct(itls, 0.99), e2e_p50=_pct(e2es, 0.5), e2e_p99=_pct(e2es, 0.99),
         goodput=goodput, peak_kv_usage=peak_kv, preemptions=preemptions,
         errors=sorted({r.error for r in records if r.error is not None}), kernels=kernels or {}, target=target,
+        verifications=sum(r.speculation[0] for r in ok), draft_tokens=sum(r.speculation[1] for r in ok),
+        accepted_draft_tokens=sum(r.speculation[2] for r in ok),
     )
 
 
@@ -263,6 +274,9 @@ async def _one(client: Any, req: RequestPlan, t0: float, ignore_eos: bool, recor
             now = time.perf_counter()
             if isinstance(item, Result):
                 record.usage = item.usage
+                t = item.timings or {}
+                record.speculation = (int(t.get("verifications") or 0), int(t.get("draft_tokens") or 0),
+                                      int(t.get("accepted_draft_tokens") or 0))
             else:
                 record.token_times.extend([now] * len(item.token_ids))
                 if progress is not None:
@@ -364,6 +378,7 @@ def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = Fa
                 if m is not None:
                     record.usage = {"prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
                                     "completion_tokens": m.num_generated_tokens}
+                    record.speculation = (m.num_verifications, m.num_draft_tokens, m.num_accepted_draft_tokens)
     duration = time.perf_counter() - t0
     if progress is not None:
         progress.close()

@@ -47,8 +47,9 @@ def env(tmp: Path) -> dict[str, str]:
 def daemon(model_dir: Path, tmp: Path, env: dict[str, str]):
     socket_dir = tmp / "run"
     # Two requests at a time and two waiting: a third and fourth concurrent one fill the queue.
+    # Speculation on: the answers must not change, and /metrics and `llmd status` report it.
     conn = start_daemon(model_dir, socket_dir, "--http", "127.0.0.1:0", "--max-num-seqs", "2",
-                        "--max-queue-len", "2", env=env)
+                        "--max-queue-len", "2", "--speculative", "ngram", env=env)
     yield socket_dir, conn
     stop_daemon(socket_dir, env)
 
@@ -78,6 +79,23 @@ def test_status_names_the_url(daemon, env) -> None:
     out = subprocess.run([sys.executable, "-m", "llmd", "status", "--socket-dir", str(socket_dir)],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and conn["http"] in out.stdout
+
+
+def test_speculation_is_reported_per_request_in_status_and_metrics(daemon, url, env) -> None:
+    socket_dir, _ = daemon
+    repeating = [11, 12, 13, 14, 15, 16] * 8  # drafts are proposed from it
+    result = native_greedy(socket_dir, token_ids=repeating, max_tokens=30, ignore_eos=True)
+    t = result.timings
+    assert t["draft_tokens"] > 0 and 0 <= t["accepted_draft_tokens"] <= t["draft_tokens"]
+    assert t["draft_acceptance_rate"] == pytest.approx(t["accepted_draft_tokens"] / t["draft_tokens"])
+    assert t["mean_accepted_length"] == pytest.approx(1 + t["accepted_draft_tokens"] / t["verifications"])
+    out = subprocess.run([sys.executable, "-m", "llmd", "status", "--socket-dir", str(socket_dir)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "speculation ngram, " in out.stdout and "tokens per verification" in out.stdout
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    drafted = [line for line in text.splitlines() if line.startswith("llmd_spec_decode_draft_tokens_total ")]
+    assert drafted and float(drafted[0].split()[-1]) >= t["draft_tokens"]
+    assert "llmd_spec_decode_accepted_tokens_total" in text and "llmd_spec_decode_verifications_total" in text
 
 
 def test_openai_sdk_chat_matches_the_native_client(daemon, url, model) -> None:

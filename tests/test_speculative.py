@@ -4,6 +4,7 @@ as off, whatever the batch; rejected drafts leave no blocks or cached hashes beh
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
 
 from llmd.daemon.engine.engine import EngineConfig
@@ -38,6 +39,59 @@ def test_greedy_tokens_are_the_same_with_speculation(model_dir, config: dict) ->
     assert engine.kv.pool.num_free_blocks == engine.num_blocks  # nothing leaked, rollbacks included
     if config.get("num_blocks"):
         assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verified_rows_run_in_the_native_decode_step(model_dir, dtype, monkeypatch) -> None:
+    """The served CPU path (INT4, the cpu attention backend, the fused native step): a step of decode
+    and verified rows is one call of the native step, each verified token a row of its own, and the
+    tokens are the same as without speculation."""
+    from llmd.daemon.attention import CpuAttentionBackend
+    from llmd.daemon.quantization import QuantConfig
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    config = dict(attention=CpuAttentionBackend(), quant=QuantConfig("int4"), dtype=dtype)
+    off = run_engine(make_engine(model_dir, **config), requests(params))
+    engine = make_engine(model_dir, speculative="ngram", **config)
+    step = engine.runner.model.decode_step
+    assert step is not None
+    extra_rows: list[int] = []  # per call, rows beyond one per running sequence: verified drafts
+    call = type(step).__call__
+
+    def counted(self, x, *args, **kwargs):
+        extra_rows.append(x.shape[0] - len(engine.scheduler.running))
+        return call(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(type(step), "__call__", counted)
+    assert run_engine(engine, requests(params)) == off
+    assert engine.num_accepted_tokens > 0 and max(extra_rows) > 0
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
+
+
+def test_acceptance_is_counted_per_request_and_in_total(model_dir) -> None:
+    from llmd.commands.status import _speculation_line
+    from llmd.tui.dashboard import speculation_part
+
+    engine = make_engine(model_dir, speculative="ngram")
+    assert engine.stats().draft_acceptance_rate is None and speculation_part(engine.stats().to_dict()) == ""
+    metrics = {}
+    for _, rid, ids, params in requests(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)):
+        engine.add_request(rid, ids, params)
+    while engine.has_unfinished():
+        metrics.update((d.request_id, d.metrics) for d in engine.step() if d.finished)
+    stats = engine.stats()
+    assert stats.num_verifications == sum(m.num_verifications for m in metrics.values()) > 0
+    assert stats.num_draft_tokens_total == sum(m.num_draft_tokens for m in metrics.values()) == engine.num_draft_tokens
+    assert stats.num_accepted_draft_tokens_total == sum(m.num_accepted_draft_tokens for m in metrics.values()) > 0
+    assert stats.draft_acceptance_rate == stats.num_accepted_draft_tokens_total / stats.num_draft_tokens_total
+    assert stats.mean_accepted_length == 1 + stats.num_accepted_draft_tokens_total / stats.num_verifications
+    m = metrics["r0"]
+    assert m.draft_acceptance_rate == m.num_accepted_draft_tokens / m.num_draft_tokens
+    shown = stats.to_dict()
+    assert f"{100 * stats.draft_acceptance_rate:.0f}% accepted" in speculation_part(shown)
+    assert _speculation_line({"speculative": "ngram"}, shown).startswith(
+        f"ngram, {100 * stats.draft_acceptance_rate:.0f}% of {stats.num_draft_tokens_total} draft tokens accepted")
+    assert _speculation_line({"speculative": "off"}, {"draft_acceptance_rate": None}) == "off"
 
 
 def test_stops_inside_accepted_drafts_are_exact(model_dir) -> None:

@@ -265,6 +265,7 @@ def describe_result(result: Result) -> str:
     return (f"{usage.get('completion_tokens', 0)} tokens" + (f" · {rate:.1f} tok/s" if rate else "")
             + (f" · first token {ttft:.2f}s" if ttft else "")
             + (f" · {cached} prompt tokens from the cache" if cached else "")
+            + (f" · {t['accepted_draft_tokens']}/{t['draft_tokens']} drafts accepted" if t.get("draft_tokens") else "")
             + (" · stopped at max tokens" if result.finish_reason == "length" else ""))
 
 

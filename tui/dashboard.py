@@ -45,6 +45,14 @@ def request_table(rows: list[dict[str, Any]], own_ids: set[str]) -> Text:
     return text
 
 
+def speculation_part(stats: dict[str, Any]) -> str:
+    """`` · drafts 62% accepted, 2.1 tok/verify`` once speculative decoding has verified drafts, else ``""``."""
+    rate, length = stats.get("draft_acceptance_rate"), stats.get("mean_accepted_length")
+    if not isinstance(rate, (int, float)) or not isinstance(length, (int, float)):
+        return ""
+    return f" · drafts {100 * rate:.0f}% accepted, {length:.1f} tok/verify"
+
+
 def describe_model(info: dict[str, Any]) -> str:
     memory = info.get("weight_bytes")
     weights = f", weights {memory / 2**20:.0f} MiB" if isinstance(memory, (int, float)) else ""
@@ -114,5 +122,5 @@ class Dashboard(Vertical):
         self.query_one("#cache-line", Static).update(
             f"prefix cache hits {100 * float(stats.get('prefix_cache_hit_rate', 0)):.1f}% · "
             f"preemptions {stats.get('num_preemptions', 0)} · running {stats.get('num_running', 0)} · "
-            f"waiting {stats.get('num_waiting', 0)}")
+            f"waiting {stats.get('num_waiting', 0)}" + speculation_part(stats))
         self.query_one("#requests", Static).update(request_table(rows, own_ids))

@@ -132,8 +132,10 @@ class LLMEngine:
         )
         self.requests: dict[str, _Request] = {}
         self.meter = ThroughputMeter()
-        self.num_draft_tokens = 0  # speculative decoding, since start: tokens drafted
-        self.num_accepted_tokens = 0  # and the model's own among them
+        # speculative decoding, since start: verifications, draft tokens verified, the model's own among them
+        self.num_verifications = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self._peak_blocks_used = 0  # since take_peak_blocks_used() last ran
 
     @property
@@ -309,6 +311,7 @@ class LLMEngine:
             req = self.requests.get(seq.request_id)
             if req is not None and req.drafts is not None:
                 req.drafts.update(len(draft), n)
+            self.num_verifications += 1
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += n
             seq.accept_drafts(n)
@@ -394,4 +397,7 @@ class LLMEngine:
             num_prompt_tokens_total=self.meter.num_prefill_total,
             num_generated_tokens_total=self.meter.num_decode_total,
             num_steps=self.meter.num_steps,
+            num_verifications=self.num_verifications,
+            num_draft_tokens_total=self.num_draft_tokens,
+            num_accepted_draft_tokens_total=self.num_accepted_tokens,
         )

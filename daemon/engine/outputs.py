@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmd.daemon.engine.sequence import Sequence
+from llmd.daemon.engine.stats import accepted_length, acceptance_rate
 
 Logprob = tuple[float, list[tuple[int, float]]]  # (sampled token's logprob, top-n (token, logprob))
 
@@ -21,6 +22,18 @@ class RequestMetrics:
     ttft: float | None
     e2e: float | None
     token_times: list[float]
+    # speculative decoding: verifications, draft tokens verified and accepted (0 without it)
+    num_verifications: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        return acceptance_rate(self.num_draft_tokens, self.num_accepted_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return accepted_length(self.num_verifications, self.num_accepted_draft_tokens)
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -41,6 +54,9 @@ class RequestMetrics:
             ttft=t.ttft,
             e2e=None if t.finished is None else t.finished - t.arrival,
             token_times=[x - t.arrival for x in t.token_times],
+            num_verifications=seq.num_verifications,
+            num_draft_tokens=seq.num_drafts_verified,
+            num_accepted_draft_tokens=seq.num_drafts_accepted,
         )
 
 

@@ -79,6 +79,10 @@ class Sequence:
     # speculative decoding: draft tokens at the end of token_ids, computed with the next token and
     # kept only as far as the model agrees (accept_drafts)
     num_draft_tokens: int = 0
+    # over its life: verifications, draft tokens verified, and accepted among them
+    num_verifications: int = 0
+    num_drafts_verified: int = 0
+    num_drafts_accepted: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -124,6 +128,9 @@ class Sequence:
         if not 0 <= num_accepted <= self.num_draft_tokens:
             raise ValueError(f"accepted {num_accepted} of {self.num_draft_tokens} drafts")
         del self.token_ids[len(self.token_ids) - self.num_draft_tokens + num_accepted:]
+        self.num_verifications += 1
+        self.num_drafts_verified += self.num_draft_tokens
+        self.num_drafts_accepted += num_accepted
         self.num_draft_tokens = 0
         now = time.monotonic()
         if num_accepted and self.timings.first_token is None:

@@ -24,9 +24,34 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generated_tokens_total: int
     num_steps: int
+    # speculative decoding, since start: verified rows, draft tokens verified, accepted among them
+    num_verifications: int = 0
+    num_draft_tokens_total: int = 0
+    num_accepted_draft_tokens_total: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens; None before any draft."""
+        return acceptance_rate(self.num_draft_tokens_total, self.num_accepted_draft_tokens_total)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification produces on average: the accepted drafts and the model's own."""
+        return accepted_length(self.num_verifications, self.num_accepted_draft_tokens_total)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "draft_acceptance_rate": self.draft_acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length}
+
+
+def acceptance_rate(drafted: int, accepted: int) -> float | None:
+    """Speculative decoding's accepted share of the verified draft tokens (None without drafts)."""
+    return accepted / drafted if drafted else None
+
+
+def accepted_length(verifications: int, accepted: int) -> float | None:
+    """Tokens per verification: the accepted drafts and the model's own one (None without any)."""
+    return 1 + accepted / verifications if verifications else None
 
 
 class ThroughputMeter:

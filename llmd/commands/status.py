@@ -70,12 +70,22 @@ def run(args: argparse.Namespace) -> int:
         f"throughput  {stats['prefill_tokens_per_s']:.1f} prompt tok/s, {stats['decode_tokens_per_s']:.1f} "
         f"generated tok/s",
         f"prefix hits {100 * stats['prefix_cache_hit_rate']:.1f}% of prompt tokens",
+        f"speculation {_speculation_line(info, stats)}",
         f"sockets     {connection['requests']}",
     ]
     if info.get("http"):
         lines.append(f"HTTP API    {info['http']}/v1 (OpenAI), {info['http']}/api (Ollama), {info['http']}/metrics")
     print("\n".join(lines))
     return STATUS_RUNNING
+
+
+def _speculation_line(info: dict, stats: dict) -> str:
+    mode = info.get("speculative", "off")
+    rate, length = stats.get("draft_acceptance_rate"), stats.get("mean_accepted_length")
+    if rate is None or length is None:
+        return f"{mode}, no drafts verified yet" if mode != "off" else "off"
+    return (f"{mode}, {100 * rate:.0f}% of {stats.get('num_draft_tokens_total', 0)} draft tokens accepted, "
+            f"{length:.2f} tokens per verification")
 
 
 def _model_state_line(info: dict, stats: dict) -> str:

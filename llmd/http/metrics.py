@@ -48,6 +48,14 @@ class _Snapshot:
         yield blocks
         yield GaugeMetricFamily("llmd_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / prompt "
                                 "tokens, since start", value=s["prefix_cache_hit_rate"])
+        # speculative decoding (vLLM's spec_decode_* counters): acceptance rate = accepted / draft tokens,
+        # mean accepted length = 1 + accepted / verifications
+        for key, name, doc in (("num_verifications", "llmd_spec_decode_verifications", "rows whose draft tokens "
+                                "were verified"),
+                               ("num_draft_tokens_total", "llmd_spec_decode_draft_tokens", "draft tokens verified"),
+                               ("num_accepted_draft_tokens_total", "llmd_spec_decode_accepted_tokens",
+                                "draft tokens accepted")):
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         yield GaugeMetricFamily("llmd_requests_running", "requests being computed", value=s["num_running"])
         yield GaugeMetricFamily("llmd_requests_waiting", "requests queued", value=s["num_waiting"])
 
