@@ -124,6 +124,7 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     assert {m.cpu_path for m in gpu.model.modules() if hasattr(m, "cpu_path")} == {"triton"}
     assert isinstance(gpu.model.decode_step, DecodeStep)  # decode steps: llmd.kernels.decode_triton's
     assert run_engine(gpu, requests) == expected
+    assert gpu.num_verifications > 0  # speculation on (the default): drafts verified as decode rows
 
 
 @contextmanager

@@ -30,7 +30,7 @@ def requests(params: SamplingParams, n: int = 6) -> list[tuple[int, str, list[in
                                     dict(prefix_cache=False)], ids=["default", "small-budget", "preempting", "no-cache"])
 def test_greedy_tokens_are_the_same_with_speculation(model_dir, config: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    off = run_engine(make_engine(model_dir, **config), requests(params))
+    off = run_engine(make_engine(model_dir, speculative="off", **config), requests(params))
     engine = make_engine(model_dir, speculative="ngram", **config)
     on = run_engine(engine, requests(params))
     assert on == off
@@ -51,7 +51,7 @@ def test_verified_rows_run_in_the_native_decode_step(model_dir, dtype, monkeypat
 
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     config = dict(attention=CpuAttentionBackend(), quant=QuantConfig("int4"), dtype=dtype)
-    off = run_engine(make_engine(model_dir, **config), requests(params))
+    off = run_engine(make_engine(model_dir, speculative="off", **config), requests(params))
     engine = make_engine(model_dir, speculative="ngram", **config)
     step = engine.runner.model.decode_step
     assert step is not None
@@ -96,10 +96,11 @@ def test_acceptance_is_counted_per_request_and_in_total(model_dir) -> None:
 
 def test_stops_inside_accepted_drafts_are_exact(model_dir) -> None:
     """max_tokens, stop tokens and stop strings land where they would one token at a time."""
-    base = run_engine(make_engine(model_dir), requests(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    base = run_engine(make_engine(model_dir, speculative="off"),
+                      requests(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
     for params in (SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
                    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[base["r1"][9]])):
-        off = run_engine(make_engine(model_dir), requests(params))
+        off = run_engine(make_engine(model_dir, speculative="off"), requests(params))
         engine = make_engine(model_dir, speculative="ngram")
         assert run_engine(engine, requests(params)) == off
         assert engine.kv.pool.num_free_blocks == engine.num_blocks
@@ -129,6 +130,7 @@ def test_default_model_fp32_reference_path_is_token_for_token(default_model_path
     chats = [edit_messages(random.Random(1), 120), [{"role": "user", "content": "Explain what a hash table is."}]]
     params = SamplingParams(temperature=0, max_tokens=40)
     llm = LLM(model=str(default_model_path), dtype="float32", quant="none", attention="torch")
+    llm.engine.config.speculative = "off"
     off = [o.token_ids for o in llm.chat(chats, params)]
     llm.engine.config.speculative = "ngram"  # one load for both (the engine reads it per request and step)
     on = [o.token_ids for o in llm.chat(chats, params)]

@@ -76,7 +76,7 @@ class DraftLength:
     """
 
     def __init__(self, max_draft: int = MAX_DRAFT, cost: float = DRAFT_COST, alpha: float = 0.3,
-                 probe_every: int = 16) -> None:
+                 probe_every: int = 32) -> None:
         if not 1 <= max_draft <= 64:
             raise ValueError(f"max_draft must be 1 to 64, got {max_draft}")
         if not 0 < cost < 1:
@@ -84,7 +84,10 @@ class DraftLength:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.max_draft, self.cost, self.alpha, self.probe_every = max_draft, cost, alpha, probe_every
-        self.p = 0.9  # optimistic: a new sequence tries a full draft
+        # A new sequence tries a full draft alone (0.8^3 > 0.2), a short one in a full step; four
+        # misses in a row bring it to nothing (drafts that always fail cost ~7 draft tokens, then a probe
+        # every probe_every steps)
+        self.p = 0.8
         self._idle_steps = 0
 
     def next(self, cost: float | None = None) -> int:

@@ -1,0 +1,164 @@
+"""Speculative decoding on vs off (issue 22): two daemons on the default model, one with
+`--speculative off`, one with `--speculative ngram`, the same `llmd bench` workloads in turn.
+
+    .venv/bin/python benchmarks/speculative.py                       # edit and streams, 1 and 16 streams
+    .venv/bin/python benchmarks/speculative.py --rounds 5 --requests 8
+    .venv/bin/python benchmarks/speculative.py --worst-case            # drafts that are always wrong
+
+Both daemons stay up; the idle one sleeps. Each round runs every case on both, in turn (which goes
+first alternates), with the same prompts: `edit` (chats asking for ~--edit-prompt-tokens of code
+rewritten with one name changed: the output repeats the prompt; it ends at end-of-text) and `streams`
+(ordinary random prompts, `--output-tokens` ignoring end-of-text). One stream runs --requests
+requests one after another (one alone is one prompt's luck); 16 streams run 16 at once. Reported per
+case: output tok/s off and on (the median round), their ratio, and on the speculating daemon the
+share of draft tokens accepted and the tokens per verification. The ratio is the figure to quote.
+
+``--worst-case`` measures instead what speculation costs when no draft is ever right: in this process
+(llmd.LLM), the engine's proposer replaced by one that always guesses token 0, against speculation
+off, on random prompts of 128 tokens and --output-tokens new ones, 1 and 16 streams, alternating,
+median of --rounds. Besides the measured ratio (these machines' noise is a few per cent) it prints
+the drafted share of the tokens and what the cost model (daemon/engine/ngram_proposer.py) says
+they cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from llmd.bench import BenchConfig, BenchReport, kernels_line, run_bench
+from llmd.client import Client, load_connection
+
+MODES = ("off", "ngram")
+
+
+def cpu_line() -> str:
+    from llmd.kernels import cpu_profile
+
+    flags = sorted(f for f in cpu_profile.machine_flags() if f.startswith("avx512") or f in ("avx2", "fma"))
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), "?")
+    return f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(flags)}; llmd profile {cpu_profile.describe()}"
+
+
+def run_case(connection: dict[str, Any], configs: list[BenchConfig]) -> dict[str, float]:
+    """Run ``configs`` one after another; their totals."""
+    reports: list[BenchReport] = [asyncio.run(run_bench(connection, c)).report for c in configs]
+    for r in reports:
+        if r.num_failed:
+            raise RuntimeError(f"{r.num_failed} requests failed: {r.errors}")
+    tokens, seconds = sum(r.output_tokens for r in reports), sum(r.duration_s for r in reports)
+    drafted = sum(r.draft_tokens for r in reports)
+    accepted = sum(r.accepted_draft_tokens for r in reports)
+    verifications = sum(r.verifications for r in reports)
+    return {"tok_s": tokens / seconds, "tokens": tokens, "drafted": drafted,
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "per_verify": 1 + accepted / verifications if verifications else 0.0}
+
+
+def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
+    import random
+    import time
+
+    import llmd.daemon.engine.engine as engine_module
+    from llmd import LLM, SamplingParams
+    from llmd.daemon.engine.ngram_proposer import draft_cost
+
+    llm = LLM()
+    engine = llm.engine
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(128)] for _ in range(max(streams))]
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    real = engine_module.propose
+    print(cpu_line())
+    print(f"{'streams':>7} | {'off tok/s':>9} {'wrong tok/s':>11} {'ratio':>7} | {'drafted/token':>13} {'modelled cost':>13}")
+    try:
+        for n in streams:
+            rates: dict[str, list[float]] = {"off": [], "wrong": []}
+            drafted = generated = 0
+            for rnd in range(rounds):
+                for mode in ("off", "wrong") if rnd % 2 == 0 else ("wrong", "off"):
+                    engine.config.speculative = "off" if mode == "off" else "ngram"
+                    engine_module.propose = (lambda tokens, k: [0] * k) if mode == "wrong" else real
+                    batch = [p[:-1] + [1000 + 100 * rnd + i] for i, p in enumerate(prompts[:n])]  # no cache hits
+                    before = engine.num_draft_tokens
+                    start = time.perf_counter()
+                    outs = llm.generate(batch, params)
+                    tokens = sum(len(o.token_ids) for o in outs)
+                    rates[mode].append(tokens / (time.perf_counter() - start))
+                    if mode == "wrong":
+                        drafted, generated = drafted + engine.num_draft_tokens - before, generated + tokens
+            off, wrong = (sorted(rates[m])[len(rates[m]) // 2] for m in ("off", "wrong"))
+            share = drafted / generated
+            print(f"{n:>7} | {off:>9.1f} {wrong:>11.1f} {wrong / off:>6.3f}x | {share:>13.3f} "
+                  f"{100 * share * draft_cost(n):>12.1f}%")
+    finally:
+        engine_module.propose = real
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=5, help="one stream: requests in a row per round")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--workloads", nargs="+", default=["edit", "streams"], choices=["edit", "streams"])
+    parser.add_argument("--edit-prompt-tokens", type=int, default=300)
+    parser.add_argument("--output-tokens", type=int, default=256, help="edit: at most; streams: exactly")
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--worst-case", action="store_true", help="drafts always wrong, in this process")
+    args = parser.parse_args()
+    if args.worst_case:
+        worst_case(args.rounds, args.output_tokens, args.streams)
+        return
+    tmp = tempfile.TemporaryDirectory()
+    llmd = [sys.executable, "-m", "llmd"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_SPECULATIVE")}
+    dirs = {mode: Path(tmp.name) / mode for mode in MODES}
+    results: dict[tuple[str, int], dict[str, list[dict[str, float]]]] = {}
+    try:
+        for mode, socket_dir in dirs.items():
+            model = ["--model", args.model] if args.model else []
+            subprocess.run([*llmd, "start", "--socket-dir", str(socket_dir), "--speculative", mode, *model],
+                           check=True, env=env)
+        connections = {mode: load_connection(d) for mode, d in dirs.items()}
+        with Client(dirs["ngram"]) as client:
+            info = client.info()
+        for mode in MODES:  # warm-up: first-call costs out of the figures
+            run_case(connections[mode], [BenchConfig(num_streams=2, prompt_tokens=16, output_tokens=8)])
+        for rnd in range(args.rounds):
+            for workload in args.workloads:
+                for n in args.streams:
+                    prompt = args.edit_prompt_tokens if workload == "edit" else 128
+                    seeds = [1000 * rnd + i for i in range(args.requests if n == 1 else 1)]
+                    configs = [BenchConfig(workload=workload, num_streams=n, prompt_tokens=prompt,
+                                           output_tokens=args.output_tokens, seed=s) for s in seeds]
+                    by_mode = results.setdefault((workload, n), {m: [] for m in MODES})
+                    for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
+                        by_mode[mode].append(run_case(connections[mode], configs))
+                    print(f"  round {rnd + 1} {workload} x{n}: " + ", ".join(
+                        f"{m} {by_mode[m][-1]['tok_s']:.1f} tok/s" for m in MODES), file=sys.stderr)
+    finally:
+        for socket_dir in dirs.values():
+            subprocess.run([*llmd, "stop", "--socket-dir", str(socket_dir)], check=False, capture_output=True,
+                           env=env)
+        tmp.cleanup()
+    print(cpu_line())
+    print(f"model {info.get('model')}; {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; greedy; "
+          f"median of {args.rounds} rounds; one stream: {args.requests} requests in a row")
+    print(f"{'workload':<8} {'streams':>7} | {'off tok/s':>9} {'ngram tok/s':>11} {'on/off':>7} | "
+          f"{'accepted':>8} {'tok/verify':>10} {'drafted':>8}")
+    for (workload, n), by_mode in results.items():
+        med = {m: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for m, rs in by_mode.items()}
+        off, on = med["off"], med["ngram"]
+        print(f"{workload:<8} {n:>7} | {off['tok_s']:>9.1f} {on['tok_s']:>11.1f} {on['tok_s'] / off['tok_s']:>6.2f}x | "
+              f"{100 * on['acceptance']:>7.0f}% {on['per_verify']:>10.2f} {on['drafted']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()
