@@ -207,7 +207,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("cuda_graphs", False, _bool, "replay decode steps as CUDA graphs, one per batch size (CUDA with Triton "
                                         "attention; never run on a GPU yet, see README GPU status)"),
     Option("speculative", "ngram", _Choice("off", "ngram"),
-           "speculative decoding: ngram drafts a greedy request's next tokens from its own prompt and output, "
+           "speculative decoding: ngram drafts a request's next tokens from its own prompt and output, "
            "verified in one step (off: never)"),
     Option("max_queue_len", 256, lambda v: _whole(v, 1, 1_000_000),
            "waiting requests beyond which new ones are refused as overloaded", "N"),

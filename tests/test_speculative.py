@@ -3,6 +3,9 @@ as off, whatever the batch; rejected drafts leave no blocks or cached hashes beh
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import pytest
 import torch
 from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
@@ -106,11 +109,90 @@ def test_stops_inside_accepted_drafts_are_exact(model_dir) -> None:
         assert engine.kv.pool.num_free_blocks == engine.num_blocks
 
 
-def test_sampled_and_penalised_rows_do_not_speculate(model_dir) -> None:
+def test_penalised_rows_and_log_probabilities_do_not_speculate(model_dir) -> None:
     engine = make_engine(model_dir, speculative="ngram")
-    run_engine(engine, requests(SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True), 3)
-               + [(0, "p", repetitive(1), SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20))])
+    run_engine(engine, [(0, "p", repetitive(1), SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20)),
+                        (0, "q", repetitive(2), SamplingParams(temperature=0.8, presence_penalty=0.5, max_tokens=20)),
+                        (0, "l", repetitive(3), SamplingParams(temperature=0, logprobs=2, max_tokens=20))])
     assert engine.num_draft_tokens == 0
+
+
+def test_sampled_rows_speculate_and_a_seed_repeats_itself(model_dir) -> None:
+    params = SamplingParams(temperature=0.3, seed=7, max_tokens=40, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        engine = make_engine(model_dir, speculative="ngram")
+        outs.append(run_engine(engine, requests(params)))
+        assert engine.num_verifications > 0 and engine.num_accepted_tokens > 0
+        assert engine.kv.pool.num_free_blocks == engine.num_blocks
+    assert outs[0] == outs[1]
+
+
+def _chi_square_z(a: Counter, b: Counter, min_count: int = 10) -> float:
+    """The two-sample chi-square test of homogeneity of two samples (counts by outcome; outcomes
+    seen fewer than ``min_count`` times in both are pooled), as a z score by Wilson and Hilferty's
+    approximation ((X^2 / df)^(1/3) is nearly normal): about N(0, 1) when both come from one
+    distribution."""
+    na, nb = sum(a.values()), sum(b.values())
+    bins = [(a[t], b[t]) for t in sorted(set(a) | set(b)) if a[t] + b[t] >= min_count]
+    rest = (na - sum(x for x, _ in bins), nb - sum(y for _, y in bins))
+    if sum(rest):
+        bins.append(rest)
+    k1, k2 = math.sqrt(nb / na), math.sqrt(na / nb)
+    x2 = sum((k1 * x - k2 * y) ** 2 / (x + y) for x, y in bins)
+    df = len(bins) - 1
+    return ((x2 / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+
+
+@pytest.mark.slow
+def test_rejection_sampling_keeps_the_distribution(model_dir, monkeypatch) -> None:
+    """Sampled rows: the tokens decided by verifying drafts (output positions 1 to 3; position 0 is
+    the prompt's own sample) are distributed as sampling one token at a time: 6,000 seeded requests
+    each way, a chi-square test per position. The drafts come from a bigram table of the model's own
+    outputs (accepted often enough to matter); a verifier whose rejected drafts are replaced by a draw
+    from p itself (not p without the draft) must fail the same test by a wide margin."""
+    import llmd.daemon.engine.engine as engine_module
+    from llmd.daemon.attention import CpuAttentionBackend
+    from llmd.daemon.engine.sampler import Sampler
+
+    def sample(mode: str, first_seed: int) -> tuple[list[Counter], dict[str, list[int]], object]:
+        engine = make_engine(model_dir, speculative=mode, attention=CpuAttentionBackend(), max_num_seqs=256)
+        params = [SamplingParams(temperature=0.5, seed=first_seed + i, max_tokens=4, ignore_eos=True)
+                  for i in range(6000)]
+        out = run_engine(engine, [(0, f"s{i}", [13], p) for i, p in enumerate(params)])
+        return [Counter(o[j] for o in out.values()) for j in range(4)], out, engine
+
+    off, outputs, _ = sample("off", 0)
+    successors: dict[int, Counter] = {}
+    for o in outputs.values():
+        for a, b in zip([13, *o], o):
+            successors.setdefault(a, Counter())[b] += 1
+    likeliest = {a: c.most_common(1)[0][0] for a, c in successors.items()}
+
+    def bigram_drafts(tokens, k: int) -> list[int]:
+        draft, t = [], tokens[-1]
+        while len(draft) < k and t in likeliest:
+            t = likeliest[t]
+            draft.append(t)
+        return draft
+
+    monkeypatch.setattr(engine_module, "propose", bigram_drafts)
+    monkeypatch.setattr(engine_module, "draft_cost", lambda rows: 0.2)  # drafts in a step of 256 rows too
+    on, _, engine = sample("ngram", 10**6)
+    assert engine.num_accepted_tokens > 2000 and engine.num_draft_tokens > 2 * engine.num_accepted_tokens
+    z = [_chi_square_z(off[j], on[j]) for j in range(1, 4)]
+    assert max(abs(v) for v in z) < 3.5, z
+
+    def no_residual(self, logits, draft, row):  # wrong: a rejected draft may come back
+        k = len(draft)
+        probs = self._probabilities(logits, [row] * (k + 1))
+        kept = (torch.rand(k, generator=row.generator) < probs[torch.arange(k), torch.tensor(draft)]).tolist()
+        n = kept.index(False) if False in kept else k
+        return draft[:n] + [int((probs[n] / torch.empty_like(probs[n]).exponential_(generator=row.generator)).argmax())]
+
+    monkeypatch.setattr(Sampler, "verify_drafts", no_residual)
+    biased, _, _ = sample("ngram", 2 * 10**6)
+    assert max(_chi_square_z(off[j], biased[j]) for j in range(1, 4)) > 7  # twice the bar, at least
 
 
 def test_the_setting_is_checked() -> None:

@@ -29,9 +29,9 @@ SPECULATIVE_MODES = OPTIONS["speculative"].choices
 
 
 def _speculates(params: SamplingParams) -> bool:
-    """Whether a request's drafts can be verified here: greedy, without penalties or log-probabilities
-    (their verification, rejection sampling for sampled rows, is not built yet)."""
-    return (params.greedy and params.logprobs is None and params.prompt_logprobs is None
+    """Whether a request's drafts can be verified here: greedy or sampled (rejection sampling), without
+    penalties (each draft would change the next position's) or log-probabilities (not kept for drafts)."""
+    return (params.logprobs is None and params.prompt_logprobs is None
             and params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty)
 
 
@@ -53,7 +53,7 @@ class EngineConfig:
         prefix_cache: reuse KV blocks of shared prompt prefixes.
         cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket (never run on a
             GPU yet: README "GPU status"; ignored elsewhere).
-        speculative: ``ngram`` drafts a greedy request's next tokens from its own prompt and output
+        speculative: ``ngram`` drafts a request's next tokens (greedy or sampled, no penalties) from its own prompt and output
             (daemon/engine/ngram_proposer.py) and verifies them in the step that computes its next
             token; ``off`` never drafts.
     """
@@ -307,7 +307,8 @@ class LLMEngine:
         for row, choices in verified.items():
             seq = batch.seqs[row]
             draft = seq.draft_token_ids
-            n = accepted_prefix(draft, choices)
+            # choices: the model's k + 1 greedy picks, or a sampled row's kept drafts and its own token
+            n = min(accepted_prefix(draft, choices), len(choices) - 1)
             req = self.requests.get(seq.request_id)
             if req is not None and req.drafts is not None:
                 req.drafts.update(len(draft), n)

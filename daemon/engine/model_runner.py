@@ -252,8 +252,9 @@ class ModelRunner:
         return StepOutput(sampled, result, prompt_logprobs, verified)
 
     def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch) -> dict[int, list[int]]:
-        """For each row with draft tokens (speculative decoding, greedy rows only): the model's own
-        choice after its last token and after each draft, k + 1 tokens, in one read of the device."""
+        """For each row with draft tokens (speculative decoding): a greedy row's own choice after its
+        last token and after each draft, k + 1 tokens (the greedy rows' in one read of the device); a
+        sampled row's accepted drafts and its next token (Sampler.verify_drafts), at most k + 1."""
         spans, first = [], 0
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             first += num_new
@@ -262,10 +263,18 @@ class ModelRunner:
         if not spans:
             return {}
         index = torch.cat([torch.arange(f, f + n, device=hidden.device) for _, f, n in spans])
-        choices = self.model.compute_logits(hidden[index]).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(hidden[index])
+        greedy = [batch.seqs[row].params.greedy for row, _, _ in spans]
+        choices = logits.argmax(dim=-1).tolist() if any(greedy) else []
         out, at = {}, 0
-        for row, _, n in spans:
-            out[row], at = choices[at:at + n], at + n
+        for (row, _, n), is_greedy in zip(spans, greedy):
+            if is_greedy:
+                out[row] = choices[at:at + n]
+            else:
+                seq = batch.seqs[row]
+                request = SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq))
+                out[row] = self.sampler.verify_drafts(logits[at:at + n], seq.draft_token_ids, request)
+            at += n
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: ScheduledBatch, scored: list[tuple[int, int, int]]

@@ -70,6 +70,15 @@ class Sampler:
 
     def _race(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         """``p / E`` per row (temperature, top-k, top-p, min-p applied), whose argmax is a draw."""
+        probs = self._probabilities(logits, rows)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(rows):
+            noise[i].exponential_(generator=r.generator)
+        return probs / noise
+
+    def _probabilities(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        """What each row samples from: temperature, top-k, top-p, then min-p (zeroed, not renormalised:
+        a race or a ratio does not need it)."""
         device = logits.device
         temperature = host_tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], torch.float32,
                                   device)
@@ -79,10 +88,32 @@ class Sampler:
         if any(r.params.min_p > 0 for r in rows):
             min_p = host_tensor([r.params.min_p for r in rows], torch.float32, device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(rows):
-            noise[i].exponential_(generator=r.generator)
-        return probs / noise
+        return probs
+
+    def verify_drafts(self, logits: torch.Tensor, draft: list[int], row: SampleRequest) -> list[int]:
+        """Speculative decoding's rejection sampling for one sampled row without penalties (Leviathan
+        et al. 2023, Chen et al. 2023): ``logits`` ``[k + 1, V]`` at the row's last token and after each
+        of its ``k`` drafts. Returns the drafts kept and then the row's own next token, so that the
+        output is distributed exactly as sampling one token at a time would be.
+
+        The drafts are proposed deterministically (a one-hot draft distribution q), so draft ``d`` is
+        accepted with probability ``min(1, p(d) / q(d)) = p(d)``; the first rejected one is replaced
+        by a draw from ``max(0, p - q)``, which is ``p`` without ``d``; after k accepted drafts the
+        next token is a draw from the last position's ``p``. The draws come from the row's generator
+        (a seeded request repeats itself).
+        """
+        k = len(draft)
+        probs = self._probabilities(logits, [row] * (k + 1))
+        device = logits.device
+        uniform = torch.rand(k, generator=row.generator, device=device)
+        kept = (uniform < probs[torch.arange(k, device=device), host_tensor(draft, torch.long, device)]).tolist()
+        n = kept.index(False) if False in kept else k
+        p = probs[n]
+        if n < k:
+            p = p.clone()
+            p[draft[n]] = 0.0
+        noise = torch.empty_like(p).exponential_(generator=row.generator)
+        return draft[:n] + [int((p / noise).argmax())]
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRequest]
