@@ -77,7 +77,8 @@ def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
     real = engine_module.propose
     print(cpu_line())
-    print(f"{'streams':>7} | {'off tok/s':>9} {'wrong tok/s':>11} {'ratio':>7} | {'drafted/token':>13} {'modelled cost':>13}")
+    print(f"{'streams':>7} | {'off tok/s':>9} {'wrong tok/s':>11} {'ratio':>7} | {'drafted/token':>13} "
+          f"{'modelled cost':>13}")
     try:
         for n in streams:
             rates: dict[str, list[float]] = {"off": [], "wrong": []}

@@ -30,7 +30,8 @@ def requests(params: SamplingParams, n: int = 6) -> list[tuple[int, str, list[in
 
 
 @pytest.mark.parametrize("config", [dict(), dict(max_batched_tokens=16), dict(num_blocks=24, block_size=4),
-                                    dict(prefix_cache=False)], ids=["default", "small-budget", "preempting", "no-cache"])
+                                    dict(prefix_cache=False)],
+                         ids=["default", "small-budget", "preempting", "no-cache"])
 def test_greedy_tokens_are_the_same_with_speculation(model_dir, config: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     off = run_engine(make_engine(model_dir, speculative="off", **config), requests(params))

@@ -53,9 +53,9 @@ class EngineConfig:
         prefix_cache: reuse KV blocks of shared prompt prefixes.
         cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket (never run on a
             GPU yet: README "GPU status"; ignored elsewhere).
-        speculative: ``ngram`` drafts a request's next tokens (greedy or sampled, no penalties) from its own prompt and output
-            (daemon/engine/ngram_proposer.py) and verifies them in the step that computes its next
-            token; ``off`` never drafts.
+        speculative: ``ngram`` drafts a request's next tokens (greedy or sampled, no penalties) from
+            its own prompt and output (daemon/engine/ngram_proposer.py) and verifies them in the step
+            that computes its next token; ``off`` never drafts.
     """
 
     block_size: int = OPTIONS["block_size"].default
