@@ -10,8 +10,10 @@ first alternates), with the same prompts: `edit` (chats asking for ~--edit-promp
 rewritten with one name changed: the output repeats the prompt; it ends at end-of-text) and `streams`
 (ordinary random prompts, `--output-tokens` ignoring end-of-text). One stream runs --requests
 requests one after another (one alone is one prompt's luck); 16 streams run 16 at once. Reported per
-case: output tok/s off and on (the median round), their ratio, and on the speculating daemon the
-share of draft tokens accepted and the tokens per verification. The ratio is the figure to quote.
+case: output tok/s off and on (the median of the rounds), the ratio on / off of each round (the
+median and the range: the two runs of a round are minutes apart, so their ratio is what drifts
+least), and over all rounds on the speculating daemon the share of draft tokens accepted and the
+tokens per verification. The ratio is the figure to quote.
 
 ``--worst-case`` measures instead what speculation costs when no draft is ever right: in this process
 (llmd.LLM), the engine's proposer replaced by one that always guesses token 0, against speculation
@@ -57,9 +59,8 @@ def run_case(connection: dict[str, Any], configs: list[BenchConfig]) -> dict[str
     drafted = sum(r.draft_tokens for r in reports)
     accepted = sum(r.accepted_draft_tokens for r in reports)
     verifications = sum(r.verifications for r in reports)
-    return {"tok_s": tokens / seconds, "tokens": tokens, "drafted": drafted,
-            "acceptance": accepted / drafted if drafted else 0.0,
-            "per_verify": 1 + accepted / verifications if verifications else 0.0}
+    return {"tok_s": tokens / seconds, "tokens": tokens, "drafted": drafted, "accepted": accepted,
+            "verifications": verifications}
 
 
 def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
@@ -152,13 +153,16 @@ def main() -> None:
     print(cpu_line())
     print(f"model {info.get('model')}; {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; greedy; "
           f"median of {args.rounds} rounds; one stream: {args.requests} requests in a row")
-    print(f"{'workload':<8} {'streams':>7} | {'off tok/s':>9} {'ngram tok/s':>11} {'on/off':>7} | "
+    print(f"{'workload':<8} {'streams':>7} | {'off tok/s':>9} {'ngram tok/s':>11} | {'on/off':>6} {'range':>11} | "
           f"{'accepted':>8} {'tok/verify':>10} {'drafted':>8}")
     for (workload, n), by_mode in results.items():
-        med = {m: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for m, rs in by_mode.items()}
-        off, on = med["off"], med["ngram"]
-        print(f"{workload:<8} {n:>7} | {off['tok_s']:>9.1f} {on['tok_s']:>11.1f} {on['tok_s'] / off['tok_s']:>6.2f}x | "
-              f"{100 * on['acceptance']:>7.0f}% {on['per_verify']:>10.2f} {on['drafted']:>8.0f}")
+        med = {m: sorted(r["tok_s"] for r in rs)[len(rs) // 2] for m, rs in by_mode.items()}
+        ratios = sorted(on["tok_s"] / off["tok_s"] for off, on in zip(by_mode["off"], by_mode["ngram"]))
+        drafted, accepted, verifications = (sum(r[k] for r in by_mode["ngram"])
+                                            for k in ("drafted", "accepted", "verifications"))
+        print(f"{workload:<8} {n:>7} | {med['off']:>9.1f} {med['ngram']:>11.1f} | {ratios[len(ratios) // 2]:>5.2f}x "
+              f"{ratios[0]:>5.2f}-{ratios[-1]:.2f} | {100 * accepted / max(drafted, 1):>7.0f}% "
+              f"{1 + accepted / max(verifications, 1):>10.2f} {drafted / len(ratios):>8.0f}")
 
 
 if __name__ == "__main__":

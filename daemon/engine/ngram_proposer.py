@@ -12,7 +12,6 @@ The engine (``--speculative ngram``) drafts with these before a step and verifie
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,19 +22,21 @@ MAX_NGRAM = 4
 # NOTE: 3 drafts make a verified row 4 tokens: the CPU's quantised matmuls take 4 activation rows per
 # pass over the weights (kernels/cpu/quant_gemm.c, MT), so a 5th token costs a second pass.
 MAX_DRAFT = 3
-# What verifying one draft token costs, as a share of what a step spends on each of its rows,
-# measured on the default model on the CPU (2 cores; benchmarks/ngram_acceptance.py has the cost
-# model): alone at a 600-token context a 4-token verified row costs ~1.5x a 1-token step (0.2 a
-# draft); in a step of 16 sequences at 320 tokens, each sequence's first draft adds ~0.5 of its
-# row's share (the step is bound by arithmetic by then, not by reading the weights).
-COST_ALONE, COST_AT_16 = 0.2, 0.5
+# A step costs a fixed part F (reading the weights, the step's own overhead) and a part r per row (its
+# attention, its share of the matmuls' and the LM head's arithmetic). An accepted draft saves what
+# a token costs in the step as it is, (F + r B) / B for B sequences; verifying one costs r. ROW_COST
+# is r / F, measured on the default model on the CPU (2 cores, a 600-token context): a 4-token
+# verified row alone costs ~1.5x a 1-token step, so r / (F + r) ~0.2.
+ROW_COST = 0.25
 
 
-def draft_cost(num_rows: int) -> float:
-    """What a draft token costs in a step of ``num_rows`` sequences: the two measurements above,
-    interpolated (and carried on) in log2 of the rows, at most 0.9."""
-    slope = (COST_AT_16 - COST_ALONE) / 4  # per doubling of the rows
-    return min(0.9, COST_ALONE + slope * math.log2(max(num_rows, 1)))
+def draft_cost(num_seqs: int) -> float:
+    """What verifying a draft token costs in a step of ``num_seqs`` sequences, in the tokens the
+    step makes: ``r B / (F + r B)``, 0.2 alone, 0.8 at 16 (measured at 16 sequences of 320 tokens:
+    ~0.5 for each one's first draft, ~1 for the second and third, as the matmuls' row tiles and
+    the LM head fill up)."""
+    rows = max(num_seqs, 1) * ROW_COST
+    return rows / (1 + rows)
 
 
 DRAFT_COST = draft_cost(1)
@@ -84,10 +85,10 @@ class DraftLength:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.max_draft, self.cost, self.alpha, self.probe_every = max_draft, cost, alpha, probe_every
-        # A new sequence tries a full draft alone (0.8^3 > 0.2), a short one in a full step; four
-        # misses in a row bring it to nothing (drafts that always fail cost ~7 draft tokens, then a probe
-        # every probe_every steps)
-        self.p = 0.8
+        # A new sequence tries a full draft alone (0.9^3 > 0.2), two tokens in a step of 16 (0.9^2 >
+        # 0.8); five misses in a row bring it to nothing (drafts that always fail cost ~9 draft
+        # tokens, then a probe every probe_every steps)
+        self.p = 0.9
         self._idle_steps = 0
 
     def next(self, cost: float | None = None) -> int:
