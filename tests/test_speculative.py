@@ -1,5 +1,6 @@
-"""Speculative decoding with prompt-lookup drafts (issue 22, greedy rows): the same tokens with it on
-as off, whatever the batch; rejected drafts leave no blocks or cached hashes behind."""
+"""Speculative decoding with prompt-lookup drafts (issue 22): greedy rows give the same tokens with it
+on as off, whatever the batch; sampled rows the same distribution (rejection sampling); rejected drafts
+leave no blocks or cached hashes behind; the counts of drafts and acceptances add up."""
 
 from __future__ import annotations
 
