@@ -36,17 +36,9 @@ from typing import Any
 
 from llmd.bench import BenchConfig, BenchReport, kernels_line, run_bench
 from llmd.client import Client, load_connection
+from llmd.kernels import cpu_profile
 
 MODES = ("off", "ngram")
-
-
-def cpu_line() -> str:
-    from llmd.kernels import cpu_profile
-
-    flags = sorted(f for f in cpu_profile.machine_flags() if f.startswith("avx512") or f in ("avx2", "fma"))
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), "?")
-    return f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(flags)}; llmd profile {cpu_profile.describe()}"
 
 
 def run_case(connection: dict[str, Any], configs: list[BenchConfig]) -> dict[str, float]:
@@ -77,7 +69,7 @@ def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
     prompts = [[rng.randrange(100, 20000) for _ in range(128)] for _ in range(max(streams))]
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
     real = engine_module.propose
-    print(cpu_line())
+    print(cpu_profile.machine_line())
     print(f"{'streams':>7} | {'off tok/s':>9} {'wrong tok/s':>11} {'ratio':>7} | {'drafted/token':>13} "
           f"{'modelled cost':>13}")
     try:
@@ -150,7 +142,7 @@ def main() -> None:
             subprocess.run([*llmd, "stop", "--socket-dir", str(socket_dir)], check=False, capture_output=True,
                            env=env)
         tmp.cleanup()
-    print(cpu_line())
+    print(cpu_profile.machine_line())
     print(f"model {info.get('model')}; {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; greedy; "
           f"median of {args.rounds} rounds; one stream: {args.requests} requests in a row")
     print(f"{'workload':<8} {'streams':>7} | {'off tok/s':>9} {'ngram tok/s':>11} | {'on/off':>6} {'range':>11} | "

@@ -35,6 +35,7 @@ from typing import Any
 from llmd.bench import BenchConfig, BenchReport, run_bench
 from llmd.bench_http import run_bench_http
 from llmd.client import Client, load_connection
+from llmd.kernels import cpu_profile
 
 
 def free_port() -> int:
@@ -57,15 +58,6 @@ def wait_http(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
             pass
         time.sleep(0.3)
     raise RuntimeError("llama-server did not come up")
-
-
-def cpu_line() -> str:
-    from llmd.kernels import cpu_profile
-
-    flags = sorted(f for f in cpu_profile.machine_flags() if f.startswith("avx512") or f in ("avx2", "fma"))
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), "?")
-    return f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(flags)}; llmd profile {cpu_profile.describe()}"
 
 
 def figures(r: BenchReport) -> dict[str, float]:
@@ -145,7 +137,7 @@ def main() -> None:
             llama.terminate()
             llama.wait(timeout=30)
         tmp.cleanup()
-    print(cpu_line())
+    print(cpu_profile.machine_line())
     from llmd.bench import kernels_line
 
     print(f"model {gguf.name}; llmd {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; "

@@ -102,6 +102,18 @@ def describe() -> str:
     return f"{profile()} ({' '.join(present) or 'no SIMD beyond SSE2'})"
 
 
+def machine_line() -> str:
+    """The CPU behind a benchmark's figures, on one line: model, cores, its vector flags (AVX2,
+    FMA, AVX-512) and the profile in use."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    vector = sorted(f for f in machine_flags() if f.startswith("avx512") or f in ("avx2", "fma"))
+    return f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(vector)}; llmd profile {describe()}"
+
+
 def apply_torch_env() -> None:
     """Cap torch's, oneDNN's and MKL's CPU dispatch to the profile (no-op for ``native``). Must
     run before torch runs its first CPU kernel; variables the user set are left alone. An invalid
