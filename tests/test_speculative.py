@@ -77,7 +77,8 @@ def test_acceptance_is_counted_per_request_and_in_total(model_dir) -> None:
     from llmd.commands.status import _speculation_line
     from llmd.tui.dashboard import speculation_part
 
-    engine = make_engine(model_dir, speculative="ngram")
+    # a small pool: preemptions and a tight budget drop drafts unverified, which must not count
+    engine = make_engine(model_dir, speculative="ngram", num_blocks=24, block_size=4, max_batched_tokens=16)
     assert engine.stats().draft_acceptance_rate is None and speculation_part(engine.stats().to_dict()) == ""
     metrics = {}
     for _, rid, ids, params in requests(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)):

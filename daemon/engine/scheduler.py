@@ -307,12 +307,12 @@ class Scheduler:
         return min(reversed(self.running), key=lambda s: (s.priority, -held[s.owner]))
 
     def _drop_drafts(self, seq: Sequence) -> None:
-        seq.accept_drafts(0)
+        seq.truncate_drafts(0)  # unverified: not counted as rejected
         self.kv.trim(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence taken out of ``running`` and queue it for recompute in its old place."""
-        seq.accept_drafts(0)  # a guess must not be recomputed as if it were the prompt
+        seq.truncate_drafts(0)  # a guess must not be recomputed as if it were the prompt
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
