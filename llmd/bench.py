@@ -164,7 +164,7 @@ class BenchReport:
     duration_s: float
     request_throughput: float  # finished requests per second
     output_tokens_per_s: float
-    output_tokens: int  # counted from the stream
+    output_tokens: int  # counted from the stream (at least the usage's count per request)
     output_tokens_reported: int  # the daemon's usage.completion_tokens, summed
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -245,7 +245,9 @@ def summarise(config: BenchConfig, records: list[RequestRecord], duration: float
         goodput = sum(meets(r) for r in ok) / duration
     prompt = sum(r.usage.get("prompt_tokens", 0) for r in ok)
     cached = sum(r.usage.get("cached_tokens", 0) for r in ok)
-    counted = sum(len(r.token_times) for r in ok)
+    # a streamed chunk may carry several tokens (over HTTP, where only the arrivals are seen: llmd's
+    # accepted drafts); the request's usage counts them all
+    counted = sum(max(len(r.token_times), r.usage.get("completion_tokens", 0)) for r in ok)
     return BenchReport(
         workload=config.workload, seed=config.seed, num_requests=len(records), num_failed=len(records) - len(ok),
         duration_s=duration,

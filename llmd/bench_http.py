@@ -5,8 +5,9 @@ Prompts go as token ids to ``/v1/completions`` (exact lengths, no chat template;
 ``/v1/chat/completions``), outputs ignore
 end-of-text (``ignore_eos``, an extension llmd, llama-server and vLLM share), greedy, streamed. The
 ids come from the server's own ``/tokenize`` (llmd and llama-server have it; vLLM too), so any
-vocabulary works. Each streamed chunk with text counts as one token's arrival (these servers send
-one token per chunk); ``usage`` gives the exact counts when the server reports them. KV usage and
+vocabulary works. Each streamed chunk with text is one arrival: llama-server sends a token per
+chunk, llmd a step's tokens (several when drafts were accepted), so the inter-token gaps are
+between chunks, and ``usage`` gives the exact counts, which the throughput uses. KV usage and
 preemptions are the server's business and are not measured here.
 """
 

@@ -345,7 +345,7 @@ def test_bench_drives_the_http_api(url, env) -> None:
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["num_failed"] == 0 and report["output_tokens_reported"] == 18
+    assert report["num_failed"] == 0 and report["output_tokens_reported"] == report["output_tokens"] == 18
     assert report["prompt_tokens"] == 24 and report["target"].endswith(url)
     assert report["ttft_p50"] > 0 and report["peak_kv_usage"] is None
     out = subprocess.run([sys.executable, "-m", "llmd", "bench", "--url", url, "--workload", "edit", "--streams", "2",
