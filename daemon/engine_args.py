@@ -58,6 +58,7 @@ class EngineArgs:
     prefix_cache: bool = _default("prefix_cache")
     cuda_graphs: bool = _default("cuda_graphs")
     speculative: str = _default("speculative")
+    draft_model: str | None = _default("draft_model")
     models_dir: str | None = _default("models_dir")
     num_blocks: int | None = None
     max_model_len: int | None = None
@@ -69,6 +70,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of {', '.join(OPTIONS[name].choices)}, got {value!r}")
         self.engine_config()
         self.quant_config()
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative draft needs --draft-model NAME, and --draft-model needs --speculative draft")
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any], **overrides: Any) -> EngineArgs:
@@ -102,7 +105,8 @@ class EngineArgs:
         if reason := attention.unsupported(self.block_size):  # before the slow load; head_dim is checked after
             raise ValueError(f"{reason}; use --attention torch")
         source = resolve_model(self.model, self.models_dir)
-        return ResolvedArgs(self, source, device, resolve_dtype(self.dtype, device), attention)
+        draft = None if self.draft_model is None else resolve_model(self.draft_model, self.models_dir)
+        return ResolvedArgs(self, source, device, resolve_dtype(self.dtype, device), attention, draft)
 
     def build(self) -> Runtime:
         """:meth:`resolve`, then :meth:`ResolvedArgs.load`."""
@@ -118,11 +122,24 @@ class ResolvedArgs:
     device: str
     dtype: torch.dtype
     attention: AttentionBackend
+    draft_source: ModelSource | None = None  # --draft-model
 
     def load_model(self) -> LoadedModel:
         """The model, loaded: at start, and again after an idle unload, the same way."""
         return load_model(self.source, dtype=self.dtype, device=self.device, quant=self.args.quant_config(),
                           attention=self.attention)
+
+    def load_draft_model(self) -> LlamaForCausalLM | None:
+        """The draft model (``--draft-model``), loaded as the model is (device, dtype, quantisation,
+        attention), or None without one."""
+        if self.draft_source is None:
+            return None
+        return load_model(self.draft_source, dtype=self.dtype, device=self.device, quant=self.args.quant_config(),
+                          attention=self.attention).model
+
+    def reload(self) -> tuple[LlamaForCausalLM, LlamaForCausalLM | None]:
+        """The model and the draft model loaded again, the same way (after an idle unload)."""
+        return self.load_model().model, self.load_draft_model()
 
     def load(self) -> Runtime:
         """The model and tokenizer loaded and the engine built over them.
@@ -135,17 +152,24 @@ class ResolvedArgs:
         """
         loaded = self.load_model()
         tokenizer = load_tokenizer(self.source)
+        draft = None
+        if self.draft_source is not None:
+            if load_tokenizer(self.draft_source).get_vocab() != tokenizer.get_vocab():
+                raise ValueError(f"the draft model {self.draft_source.name} does not share {self.source.name}'s "
+                                 "tokenizer; pick a draft model of the same family")
+            draft = self.load_draft_model()
         engine = LLMEngine(loaded.model, tokenizer, self.args.engine_config(),
-                           eos_token_ids=stop_token_ids(tokenizer, loaded.config))
-        return Runtime(engine, tokenizer, self, lambda: self.load_model().model)
+                           eos_token_ids=stop_token_ids(tokenizer, loaded.config), draft_model=draft)
+        return Runtime(engine, tokenizer, self, self.reload)
 
 
 @dataclass(slots=True)
 class Runtime:
     """What :meth:`EngineArgs.build` made: the engine over the loaded model and its tokenizer, what
-    they were built from, and ``reload`` (the model loaded again the same way: the idle unload)."""
+    they were built from, and ``reload`` (the model and the draft model loaded again the same way: the idle
+    unload)."""
 
     engine: LLMEngine
     tokenizer: Any
     resolved: ResolvedArgs
-    reload: Callable[[], LlamaForCausalLM]
+    reload: Callable[[], tuple[LlamaForCausalLM, LlamaForCausalLM | None]]

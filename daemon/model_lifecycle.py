@@ -25,7 +25,8 @@ class ModelLifecycle:
     """Args:
         engine: the engine whose model this unloads and loads again.
         idle_unload_s: free the model after this long without requests; 0: never.
-        load_model: loads the model again the way it was loaded first (needed for an idle unload).
+        load_model: loads the model (and the draft model, or None) again the way they were loaded first
+            (needed for an idle unload): ``(model, draft_model)``.
     """
 
     def __init__(self, engine: LLMEngine, idle_unload_s: float, load_model: Callable[[], Any] | None) -> None:
@@ -85,7 +86,7 @@ class ModelLifecycle:
         if isinstance(result, BaseException):
             log.error("reloading the model failed: %s: %s", type(result).__name__, result)
             return result
-        self.engine.load(result)
+        self.engine.load(*result)
         return None
 
     def _unload(self) -> None:

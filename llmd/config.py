@@ -206,9 +206,12 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("prefix_cache", True, _bool, "reuse the KV blocks of shared prompt prefixes"),
     Option("cuda_graphs", False, _bool, "replay decode steps as CUDA graphs, one per batch size (CUDA with Triton "
                                         "attention; never run on a GPU yet, see README GPU status)"),
-    Option("speculative", "ngram", _Choice("off", "ngram"),
-           "speculative decoding: ngram drafts a request's next tokens from its own prompt and output, "
-           "verified in one step (off: never)"),
+    Option("speculative", "ngram", _Choice("off", "ngram", "draft"),
+           "speculative decoding: ngram drafts a request's next tokens from its own prompt and output, draft "
+           "with --draft-model; verified in one step (off: never)"),
+    Option("draft_model", None, _text, "the smaller model that drafts for --speculative draft: it must share the "
+                                       "model's tokenizer (a name from `llmd models`, a path or a cached repo id)",
+           "NAME|PATH", "(none)"),
     Option("max_queue_len", 256, lambda v: _whole(v, 1, 1_000_000),
            "waiting requests beyond which new ones are refused as overloaded", "N"),
     Option("idle_unload", 0.0, lambda v: _number(v, 0.0, 60.0 * 24 * 365),

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tiny_models import make_engine, make_hf_model, save_hf_model
+from tiny_models import make_engine, make_hf_model, perturbed_copy, save_hf_model
 
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.errors import PromptTooLongError
@@ -23,6 +23,13 @@ SHARED = list(range(10, 30))  # a 20-token prefix some prompts share (5 blocks o
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("sm") / "m", with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft model for --speculative draft: right often, not always (drafts accepted and rolled back)."""
+    return save_hf_model(perturbed_copy(make_hf_model("llama"), 0.03), tmp_path_factory.mktemp("sm") / "d",
+                         with_tokenizer=True)
 
 
 def check_block_accounting(engine) -> None:
@@ -42,17 +49,25 @@ def check_block_accounting(engine) -> None:
     for block_hash, block in pool.cached.items():
         assert block.block_hash == block_hash
     assert pool.num_cached_free == sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+    if engine.drafter is not None:  # the draft model's pool: every block held once or free
+        held = engine.drafter.held_block_ids()
+        draft_free = [b.block_id for b in engine.drafter.pool.free_queue]
+        assert len(set(held)) == len(held) and not set(held) & set(draft_free), "a draft block held twice or free"
+        assert len(held) + len(draft_free) == engine.drafter.num_blocks, "a draft block lost"
 
 
 class EngineMachine(RuleBasedStateMachine):
     engine_dir: Path
+    draft_dir: Path
 
     @initialize(num_blocks=st.integers(8, 24), chunk=st.sampled_from([1, 3, 8, 64]),
-                caching=st.booleans(), speculative=st.sampled_from(["off", "ngram"]))
+                caching=st.booleans(), speculative=st.sampled_from(["off", "ngram", "draft"]))
     def setup(self, num_blocks: int, chunk: int, caching: bool, speculative: str) -> None:
         self.engine = make_engine(self.engine_dir, num_blocks=num_blocks, block_size=4,
                                   max_batched_tokens=chunk, prefix_cache=caching, max_num_seqs=6,
-                                  speculative=speculative)
+                                  speculative=speculative, draft_dir=self.draft_dir if speculative == "draft" else None)
+        if speculative == "draft":
+            self.engine.draft_pass_cost = 0.0  # draft whatever a pass of the tiny draft model costs
         self.next_id = 0
         self.live: set[str] = set()
 
@@ -108,10 +123,13 @@ class EngineMachine(RuleBasedStateMachine):
         assert not self.engine.has_unfinished(), "the engine did not drain"
         assert self.engine.kv.pool.num_free_blocks == self.engine.kv.num_blocks, "blocks leaked"
         assert not self.engine.requests and not self.engine.runner._generators
+        drafter = self.engine.drafter
+        if drafter is not None:
+            assert drafter.num_held == 0 and drafter.pool.num_free_blocks == drafter.num_blocks, "draft blocks leaked"
 
 
-def test_engine_state_machine(model_dir: Path) -> None:
-    EngineMachine.engine_dir = model_dir
+def test_engine_state_machine(model_dir: Path, draft_dir: Path) -> None:
+    EngineMachine.engine_dir, EngineMachine.draft_dir = model_dir, draft_dir
     EngineMachine.TestCase.settings = settings(
         max_examples=40, stateful_step_count=40, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

@@ -199,8 +199,8 @@ def test_rejection_sampling_keeps_the_distribution(model_dir, monkeypatch) -> No
 
 
 def test_the_setting_is_checked() -> None:
-    with pytest.raises(ValueError, match="speculative must be one of off, ngram"):
-        EngineConfig(speculative="draft")
+    with pytest.raises(ValueError, match="speculative must be one of off, ngram, draft"):
+        EngineConfig(speculative="eagle")
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from typing import Any
 
 from llmd.config import OPTIONS
 from llmd.daemon.engine.detokenizer import RequestDetokenizer
+from llmd.daemon.engine.draft_model import DraftModel, forward_cost
 from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
@@ -55,7 +56,8 @@ class EngineConfig:
             GPU yet: README "GPU status"; ignored elsewhere).
         speculative: ``ngram`` drafts a request's next tokens (greedy or sampled, no penalties) from
             its own prompt and output (daemon/engine/ngram_proposer.py) and verifies them in the step
-            that computes its next token; ``off`` never drafts.
+            that computes its next token; ``draft`` drafts them with a second, smaller model (the
+            engine's ``draft_model``, daemon/engine/draft_model.py); ``off`` never drafts.
     """
 
     block_size: int = OPTIONS["block_size"].default
@@ -110,8 +112,11 @@ class LLMEngine:
     """
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Any, config: EngineConfig | None = None,
-                 eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(),
+                 draft_model: LlamaForCausalLM | None = None) -> None:
         self.config = config = config or EngineConfig()
+        if (config.speculative == "draft") != (draft_model is not None):
+            raise ValueError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
         self.model: LlamaForCausalLM | None = model
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -127,6 +132,15 @@ class LLMEngine:
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
         self._start_runner()
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.prefix_cache)
+        # --speculative draft: the draft model, its cache as many tokens as the target's, and what one of
+        # its passes costs next to a target step (each draft token is one pass; an estimate from the
+        # models' shapes, which tests set to 0 to draft whatever it costs)
+        self.drafter: DraftModel | None = None
+        self.draft_pass_cost = 0.0
+        if draft_model is not None:
+            self._check_draft(model, draft_model)
+            self.drafter = DraftModel(draft_model, config.block_size, self.num_blocks, self.vocab_size)
+            self.draft_pass_cost = forward_cost(draft_model.config) / forward_cost(model.config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_batched_tokens, self.max_model_len), self.kv
         )
@@ -155,16 +169,25 @@ class LLMEngine:
         self.kv.pool.forget_cached()
         self.runner = None
         self.model = None
+        if self.drafter is not None:
+            self.drafter.unload()
 
-    def load(self, model: LlamaForCausalLM) -> None:
-        """Take the model back after :meth:`unload` (reloaded the same way): a fresh KV cache of
-        the same number of blocks.
+    def load(self, model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None = None) -> None:
+        """Take the model (and the draft model, with ``--speculative draft``) back after :meth:`unload`
+        (reloaded the same way): a fresh KV cache of the same number of blocks.
 
         Raises:
-            ValueError: ``model`` is not shaped like the one the engine was built for.
+            ValueError: ``model`` is not shaped like the one the engine was built for, or the draft
+                model is missing or not wanted.
         """
         if model.config.vocab_size != self.vocab_size or model.config.num_layers != self._num_layers:
             raise ValueError("the reloaded model differs from the one the engine was built for")
+        if (self.drafter is not None) != (draft_model is not None):
+            raise ValueError("the engine " + ("drafts with a draft model: pass it" if self.drafter is not None
+                                              else "has no draft model"))
+        if draft_model is not None:
+            self._check_draft(model, draft_model)
+            self.drafter.load(draft_model)
         self.model = model
         self.runner = ModelRunner(model, self.config.block_size, self.config.max_num_seqs, self.max_model_len,
                                   self.config.cuda_graphs)
@@ -176,6 +199,14 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.num_blocks)
         if self.runner.device.type == "cuda" and self.model.attn_backend.name == "triton":
             self.runner.warm_up(self.config.max_batched_tokens)
+
+    def _check_draft(self, model: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> None:
+        """A draft model runs beside the target: same device, a vocabulary at least the target's."""
+        if draft_model.model.embed_tokens.weight.device != model.model.embed_tokens.weight.device:
+            raise ValueError("the draft model must be on the target's device")
+        if draft_model.config.vocab_size < self.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is smaller than "
+                             f"the model's ({self.vocab_size}): a draft model must share the model's tokenizer")
 
     def _blocks_for_budget(self) -> int:
         cfg = self.config
@@ -226,7 +257,7 @@ class LLMEngine:
         self.requests[request_id] = _Request(seq, RequestDetokenizer(self.tokenizer, params.stop))
         if params.prompt_logprobs is not None:
             self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
-        if self.config.speculative == "ngram" and _speculates(params):
+        if self.config.speculative != "off" and _speculates(params):
             self.requests[request_id].drafts = DraftLength()
         self.scheduler.add(seq)
         return seq
@@ -239,6 +270,8 @@ class LLMEngine:
         self.scheduler.finish(req.seq, FinishReason.ABORT)
         if self.runner is not None:  # unloaded: a queued request has nothing in the runner
             self.runner.release(request_id)
+        if self.drafter is not None:
+            self.drafter.release(request_id)
         return RequestDelta(request_id, "", [], finished=True, finish_reason=FinishReason.ABORT.value,
                             metrics=RequestMetrics.of(req.seq))
 
@@ -254,7 +287,7 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return every request's new output."""
         if self.runner is None:
             raise RuntimeError("the model is unloaded: load() it before stepping")
-        if self.config.speculative == "ngram":
+        if self.config.speculative != "off":
             self._draft()
         batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -286,9 +319,11 @@ class LLMEngine:
         return deltas
 
     def _draft(self) -> None:
-        """Draft tokens for the running greedy requests about to decode (speculative decoding)."""
-        # the more rows a step has, the more a draft token costs next to a sequence's own one
-        cost = draft_cost(len(self.scheduler.running))
+        """Draft tokens for the running requests about to decode that speculate (speculative decoding)."""
+        # the more rows a step has, the more a draft token costs next to a sequence's own one; a draft
+        # model adds one of its passes per token
+        cost = draft_cost(len(self.scheduler.running)) + self.draft_pass_cost
+        wants: list[tuple[Sequence, int]] = []
         for seq in self.scheduler.running:
             req = self.requests.get(seq.request_id)
             if req is None or req.drafts is None or seq.num_tokens - seq.num_computed_tokens != 1:
@@ -297,6 +332,12 @@ class LLMEngine:
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
             k = min(req.drafts.next(cost), room)
             if k > 0:
+                wants.append((seq, k))
+        if self.drafter is not None:
+            for (seq, _), draft in zip(wants, self.drafter.propose(wants) if wants else []):
+                seq.add_drafts(draft)
+        else:
+            for seq, k in wants:
                 seq.add_drafts(propose(seq.token_ids, k))
 
     def _accept(self, batch: ScheduledBatch, verified: dict[int, list[int]], sampled: list[int | None]
@@ -347,6 +388,8 @@ class LLMEngine:
             delta.prompt_logprobs = req.prompt_logprobs
             del self.requests[seq.request_id]
             self.runner.release(seq.request_id)
+            if self.drafter is not None:
+                self.drafter.release(seq.request_id)
         return delta
 
     def _check_stop(self, req: _Request, token: int, num_output: int) -> tuple[str, FinishReason | None]:

@@ -48,6 +48,16 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+def new_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A zeroed paged KV cache for ``model``: per layer ``(K, V)``, each ``[num_blocks, block_size,
+    kv_heads, head_dim]`` in the model's dtype, on its device."""
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    device = model.model.embed_tokens.weight.device
+    return [(torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
+            for _ in range(cfg.num_layers)]
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What one step produced: per scheduled sequence the sampled token (None while its prompt is
@@ -97,11 +107,7 @@ class ModelRunner:
         self._graphs = None
 
     def _new_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model.config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.model.dtype, device=self.device))
-                for _ in range(cfg.num_layers)]
+        return new_kv_cache(self.model, num_blocks, self.block_size)
 
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """Run the largest step the scheduler can make (``num_tokens`` of prompt, logits and

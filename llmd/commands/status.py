@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _speculation_line(info: dict, stats: dict) -> str:
     mode = info.get("speculative", "off")
+    if mode == "draft" and info.get("draft_model"):
+        mode = f"draft ({info['draft_model']})"
     rate, length = stats.get("draft_acceptance_rate"), stats.get("mean_accepted_length")
     if rate is None or length is None:
         return f"{mode}, no drafts verified yet" if mode != "off" else "off"

@@ -1,0 +1,204 @@
+"""Draft-model speculation (issue 22, ``--speculative draft``): a second model's greedy guesses,
+verified by the target exactly as prompt-lookup drafts are. Greedy rows give the target's own tokens
+whatever the draft model says; the draft model's cache follows each sequence through rejections,
+preemptions, long prompts caught up in pieces and a full pool, and gives every block back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import (make_engine, make_hf_model, make_tiny_tokenizer, perturbed_copy, run_engine,
+                         save_hf_model)
+
+from llmd.daemon.engine.draft_model import DraftModel
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.loader import load_model
+from llmd.daemon.model_source import resolve_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The target; a draft that agrees with it often but not always (its weights perturbed); a
+    one-layer draft of other random weights (nearly never right)."""
+    root = tmp_path_factory.mktemp("draft")
+    target = make_hf_model("llama")
+    return {"target": save_hf_model(target, root / "target", with_tokenizer=True),
+            "near": save_hf_model(perturbed_copy(target, 0.03), root / "near", with_tokenizer=True),
+            "far": save_hf_model(make_hf_model("llama", seed=5, num_hidden_layers=1), root / "far", with_tokenizer=True)}
+
+
+def repetitive(i: int, n: int = 40) -> list[int]:
+    unit = [(i * 13 + k * 7) % 250 for k in range(5 + i % 3)]
+    return (unit * (n // len(unit) + 1))[:n]
+
+
+def requests(params: SamplingParams, n: int = 6, length: int = 40) -> list[tuple[int, str, list[int], SamplingParams]]:
+    return [(i % 3, f"r{i}", repetitive(i, length), params) for i in range(n)]
+
+
+def drafting_engine(dirs: dict[str, Path], draft: str = "near", **config):
+    engine = make_engine(dirs["target"], speculative="draft", draft_dir=dirs[draft], **config)
+    engine.draft_pass_cost = 0.0  # draft whatever a pass of the tiny draft model costs
+    return engine
+
+
+def assert_nothing_held(engine) -> None:
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
+    assert engine.drafter.num_held == 0 and engine.drafter.pool.num_free_blocks == engine.drafter.num_blocks
+
+
+@pytest.mark.parametrize("config", [dict(), dict(max_batched_tokens=16), dict(num_blocks=24, block_size=4),
+                                    dict(prefix_cache=False)],
+                         ids=["default", "small-budget", "preempting", "no-cache"])
+def test_greedy_tokens_are_the_target_s_whatever_the_draft(dirs, config: dict) -> None:
+    off = run_engine(make_engine(dirs["target"], speculative="off", **config), requests(GREEDY))
+    engine = drafting_engine(dirs, **config)
+    assert run_engine(engine, requests(GREEDY)) == off
+    # it drafted, some drafts were right and some wrong (rolled back in both caches)
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+    assert engine.stats().num_generated_tokens_total == sum(map(len, off.values()))
+    assert_nothing_held(engine)
+    if config.get("num_blocks"):
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_draft_that_is_always_wrong_changes_nothing_and_backs_off(dirs) -> None:
+    off = run_engine(make_engine(dirs["target"], speculative="off"), requests(GREEDY))
+    engine = drafting_engine(dirs, "far")
+    assert run_engine(engine, requests(GREEDY)) == off
+    assert engine.num_accepted_tokens <= engine.num_draft_tokens // 4
+    # drafts that keep failing stop: far fewer than the 3 per step a draft that is always right gets
+    assert engine.num_draft_tokens < len(off) * GREEDY.max_tokens // 2
+    assert_nothing_held(engine)
+
+
+def test_the_served_cpu_path_drafts_and_verifies_in_native_steps(dirs) -> None:
+    """INT4, the cpu attention backend and the fused native decode step, for both models: the draft
+    model's one-token passes are native decode steps of its own."""
+    from llmd.daemon.attention import CpuAttentionBackend
+    from llmd.daemon.quantization import QuantConfig
+
+    config = dict(attention=CpuAttentionBackend(), quant=QuantConfig("int4"))
+    off = run_engine(make_engine(dirs["target"], speculative="off", **config), requests(GREEDY))
+    engine = drafting_engine(dirs, **config)
+    assert engine.drafter.model.decode_step is not None
+    assert run_engine(engine, requests(GREEDY)) == off
+    assert engine.num_accepted_tokens > 0
+    assert_nothing_held(engine)
+
+
+def test_a_long_prompt_is_caught_up_in_pieces(dirs) -> None:
+    """A prompt longer than the draft model's catch-up chunk drafts only once the draft model holds it
+    all; the tokens are unchanged."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reqs = requests(params, n=2, length=100)
+    off = run_engine(make_engine(dirs["target"], speculative="off"), reqs)
+    engine = drafting_engine(dirs)
+    engine.drafter.max_chunk = 16
+    passes: list[list[int]] = []
+    forward = engine.drafter._forward
+
+    def recorded(rows, sample):
+        passes.append([len(new) for _, new in rows])
+        return forward(rows, sample)
+
+    engine.drafter._forward = recorded
+    assert run_engine(engine, reqs) == off
+    assert max(max(p) for p in passes) == 16  # never more than a chunk at once
+    assert engine.num_accepted_tokens > 0
+    assert_nothing_held(engine)
+
+
+def test_a_full_draft_pool_skips_drafts_and_loses_nothing(dirs) -> None:
+    """The draft model's pool is too small for every sequence: those that do not fit decode without
+    drafts (the others' blocks are taken back first), and nothing fails."""
+    draft = load_model(resolve_model(dirs["near"])).model
+    target = load_model(resolve_model(dirs["target"])).model
+    drafter = DraftModel(draft, block_size=4, num_blocks=14, vocab_size=target.config.vocab_size)
+
+    class Seq:  # what propose reads of a Sequence
+        def __init__(self, rid: str, tokens: list[int]) -> None:
+            self.request_id, self.token_ids = rid, tokens
+
+    seqs = [Seq(f"s{i}", repetitive(i, 20)) for i in range(4)]  # 20 tokens + 2 drafts fed back: 6 blocks each
+    drafts = drafter.propose([(s, 3) for s in seqs])
+    assert [len(d) for d in drafts] == [3, 3, 0, 0]  # two fit in 14 blocks
+    assert drafter.num_held == 2 and drafter.pool.num_free_blocks == 2
+    # the next step drafts for the last two: the first two, not drafting now, give their blocks back
+    assert [len(d) for d in drafter.propose([(s, 3) for s in seqs[2:]])] == [3, 3]
+    assert drafter.num_held == 2
+    for s in seqs:
+        drafter.release(s.request_id)
+    assert drafter.pool.num_free_blocks == 14
+
+
+def test_drafts_are_the_draft_model_s_greedy_continuation(dirs) -> None:
+    """What the draft model proposes is its own greedy output, through rollbacks: each step's drafts
+    equal transformers' greedy continuation of the draft model from the sequence's tokens."""
+    from tiny_models import hf_greedy
+
+    from llmd.daemon.attention import TorchAttentionBackend
+
+    hf_draft = perturbed_copy(make_hf_model("llama"), 0.03)  # the "near" draft, in transformers
+    draft = load_model(resolve_model(dirs["near"]), attention=TorchAttentionBackend()).model
+    drafter = DraftModel(draft, block_size=4, num_blocks=64, vocab_size=draft.config.vocab_size)
+
+    class Seq:
+        def __init__(self, tokens: list[int]) -> None:
+            self.request_id, self.token_ids = "s", tokens
+
+    tokens = repetitive(2, 30)
+    for step in range(6):
+        (got,) = drafter.propose([(Seq(tokens), 3)])
+        assert got == hf_greedy(hf_draft, tokens, 3)
+        # the target keeps one draft and adds a token of its own (rejecting the rest) or keeps them all
+        tokens = tokens + (got[:1] + [(got[1] + 1) % 250] if step % 2 else got + [7])
+    drafter.release("s")
+    assert drafter.pool.num_free_blocks == 64
+
+
+def test_unload_and_reload_with_a_draft_model(dirs) -> None:
+    engine = drafting_engine(dirs)
+    before = run_engine(engine, requests(GREEDY, n=2))
+    engine.unload()
+    assert engine.drafter.model is None and engine.drafter.kv_caches == []
+    with pytest.raises(ValueError, match="draft model"):
+        engine.load(load_model(resolve_model(dirs["target"])).model)
+    engine.load(load_model(resolve_model(dirs["target"])).model, load_model(resolve_model(dirs["near"])).model)
+    assert run_engine(engine, requests(GREEDY, n=2)) == before
+    assert_nothing_held(engine)
+
+
+def test_the_settings_are_checked(dirs, tmp_path: Path) -> None:
+    from llmd.daemon.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="--speculative draft needs --draft-model"):
+        EngineArgs(speculative="draft")
+    with pytest.raises(ValueError, match="--draft-model needs --speculative draft"):
+        EngineArgs(draft_model=str(dirs["near"]))
+    # a draft model with another tokenizer is refused before the engine is built
+    other = tmp_path / "other"
+    save_hf_model(make_hf_model("llama"), other)
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|tool|>"]})
+    tokenizer.save_pretrained(str(other))
+    args = EngineArgs(model=str(dirs["target"]), speculative="draft", draft_model=str(other), device="cpu",
+                      dtype="float32", quant="none", attention="torch")
+    with pytest.raises(ValueError, match="does not share"):
+        args.build()
+    # built through the front door, the engine drafts with it
+    args = EngineArgs(model=str(dirs["target"]), speculative="draft", draft_model=str(dirs["near"]), device="cpu",
+                      dtype="float32", quant="none", attention="torch")
+    runtime = args.build()
+    assert runtime.engine.drafter is not None and runtime.reload()[1] is not None
+
+
+def test_status_names_the_draft_model() -> None:
+    from llmd.commands.status import _speculation_line
+
+    line = _speculation_line({"speculative": "draft", "draft_model": "tiny-draft"},
+                             {"draft_acceptance_rate": 0.5, "mean_accepted_length": 2.0, "num_draft_tokens_total": 8})
+    assert line.startswith("draft (tiny-draft), 50% of 8 draft tokens accepted")
