@@ -1,9 +1,12 @@
 """Speculative decoding on vs off (issue 22): two daemons on the default model, one with
-`--speculative off`, one with `--speculative ngram`, the same `llmd bench` workloads in turn.
+`--speculative off`, one with `--speculative ngram` (or `draft` with `--draft-model`), the same
+`llmd bench` workloads in turn.
 
     .venv/bin/python benchmarks/speculative.py                       # edit and streams, 1 and 16 streams
     .venv/bin/python benchmarks/speculative.py --rounds 5 --requests 8
+    .venv/bin/python benchmarks/speculative.py --model BIG --draft-model SMALL   # a draft model
     .venv/bin/python benchmarks/speculative.py --worst-case            # drafts that are always wrong
+    .venv/bin/python benchmarks/speculative.py --self-draft 26         # the model's first 26 layers draft
 
 Both daemons stay up; the idle one sleeps. Each round runs every case on both, in turn (which goes
 first alternates), with the same prompts: `edit` (chats asking for ~--edit-prompt-tokens of code
@@ -21,6 +24,13 @@ off, on random prompts of 128 tokens and --output-tokens new ones, 1 and 16 stre
 median of --rounds. Besides the measured ratio (these machines' noise is a few per cent) it prints
 the drafted share of the tokens and what the cost model (daemon/engine/ngram_proposer.py) says
 they cost.
+
+``--self-draft N`` measures the draft-model path where no smaller model shares the default model's
+tokenizer (this machine has only the default model): in this process, the model's own first N
+layers (with its final norm and head) as the draft model, drafting whatever the engine's cost
+estimate says (``draft_pass_cost`` 0), against speculation off, on the `edit` chats at one stream,
+alternating, median of --rounds. An untrained early exit guesses poorly: this shows what the
+machinery costs and accepts at the default model's size, not a speed-up a real draft model would give.
 """
 
 from __future__ import annotations
@@ -38,7 +48,6 @@ from llmd.bench import BenchConfig, BenchReport, kernels_line, run_bench
 from llmd.client import Client, load_connection
 from llmd.kernels import cpu_profile
 
-MODES = ("off", "ngram")
 
 
 def run_case(connection: dict[str, Any], configs: list[BenchConfig]) -> dict[str, float]:
@@ -96,6 +105,56 @@ def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
         engine_module.propose = real
 
 
+def self_draft(layers: int, rounds: int, requests: int, prompt_tokens: int, output_tokens: int) -> None:
+    import dataclasses
+    import random
+    import time
+
+    from llmd.bench import edit_messages
+    from llmd.daemon.engine.engine import LLMEngine
+    from llmd.daemon.engine_args import EngineArgs
+    from llmd.daemon.engine.sampling_params import SamplingParams
+    from llmd.daemon.tokenizer import chat_token_ids
+
+    args = EngineArgs(speculative="off")
+    resolved = args.resolve()
+    runtime = resolved.load()
+    draft = resolved.load_model().model  # the same checkpoint, cut to its first layers
+    if not 0 < layers < draft.config.num_layers:
+        raise SystemExit(f"--self-draft takes 1..{draft.config.num_layers - 1} layers, got {layers}")
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config = dataclasses.replace(draft.config, num_layers=layers,
+                                       sliding_windows=draft.config.sliding_windows[:layers])
+    draft.prepare_decode()
+    engines = {"off": runtime.engine,
+               "draft": LLMEngine(runtime.engine.model, runtime.tokenizer,
+                                  dataclasses.replace(args.engine_config(), speculative="draft"),
+                                  eos_token_ids=runtime.engine.eos_token_ids, draft_model=draft)}
+    estimate, engines["draft"].draft_pass_cost = engines["draft"].draft_pass_cost, 0.0
+    params = SamplingParams(temperature=0, max_tokens=output_tokens)
+    rates: dict[str, list[float]] = {"off": [], "draft": []}
+    for rnd in range(rounds):
+        rng = random.Random(rnd)
+        prompts = [chat_token_ids(runtime.tokenizer, edit_messages(rng, prompt_tokens)) for _ in range(requests)]
+        for mode in ("off", "draft") if rnd % 2 == 0 else ("draft", "off"):
+            engine, tokens = engines[mode], 0
+            start = time.perf_counter()
+            for i, ids in enumerate(prompts):
+                engine.add_request(f"{mode}{rnd}.{i}", ids, params)
+                while engine.has_unfinished():
+                    tokens += sum(len(d.token_ids) for d in engine.step())
+            rates[mode].append(tokens / (time.perf_counter() - start))
+    d = engines["draft"]
+    off, on = (sorted(rates[m])[len(rates[m]) // 2] for m in ("off", "draft"))
+    print(cpu_profile.machine_line())
+    print(f"draft: the model's first {layers} of {runtime.engine.model.config.num_layers} layers (the engine's cost "
+          f"estimate of a draft pass: {estimate:.2f} of a step, at which it would not draft); edit chats, 1 stream, "
+          f"{requests} requests in a row, median of {rounds} rounds")
+    print(f"off {off:.1f} tok/s, draft {on:.1f} tok/s: {on / off:.2f}x; "
+          f"{100 * d.num_accepted_tokens / max(d.num_draft_tokens, 1):.0f}% of {d.num_draft_tokens} drafts accepted, "
+          f"{1 + d.num_accepted_tokens / max(d.num_verifications, 1):.2f} tokens per verification")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -105,25 +164,34 @@ def main() -> None:
     parser.add_argument("--edit-prompt-tokens", type=int, default=300)
     parser.add_argument("--output-tokens", type=int, default=256, help="edit: at most; streams: exactly")
     parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--draft-model", default=None, help="compare --speculative draft with it (not ngram)")
     parser.add_argument("--worst-case", action="store_true", help="drafts always wrong, in this process")
+    parser.add_argument("--self-draft", type=int, metavar="LAYERS",
+                        help="the model's first LAYERS layers as its draft model, in this process")
     args = parser.parse_args()
     if args.worst_case:
         worst_case(args.rounds, args.output_tokens, args.streams)
         return
+    if args.self_draft is not None:
+        self_draft(args.self_draft, args.rounds, args.requests, args.edit_prompt_tokens, args.output_tokens)
+        return
+    modes = ("off", "draft" if args.draft_model else "ngram")
+    on_mode = modes[1]
     tmp = tempfile.TemporaryDirectory()
     llmd = [sys.executable, "-m", "llmd"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_SPECULATIVE")}
-    dirs = {mode: Path(tmp.name) / mode for mode in MODES}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMD_SPECULATIVE", "LLMD_DRAFT_MODEL"))}
+    dirs = {mode: Path(tmp.name) / mode for mode in modes}
     results: dict[tuple[str, int], dict[str, list[dict[str, float]]]] = {}
     try:
         for mode, socket_dir in dirs.items():
             model = ["--model", args.model] if args.model else []
-            subprocess.run([*llmd, "start", "--socket-dir", str(socket_dir), "--speculative", mode, *model],
+            draft = ["--draft-model", args.draft_model] if mode == "draft" else []
+            subprocess.run([*llmd, "start", "--socket-dir", str(socket_dir), "--speculative", mode, *model, *draft],
                            check=True, env=env)
         connections = {mode: load_connection(d) for mode, d in dirs.items()}
-        with Client(dirs["ngram"]) as client:
+        with Client(dirs[on_mode]) as client:
             info = client.info()
-        for mode in MODES:  # warm-up: first-call costs out of the figures
+        for mode in modes:  # warm-up: first-call costs out of the figures
             run_case(connections[mode], [BenchConfig(num_streams=2, prompt_tokens=16, output_tokens=8)])
         for rnd in range(args.rounds):
             for workload in args.workloads:
@@ -132,27 +200,28 @@ def main() -> None:
                     seeds = [1000 * rnd + i for i in range(args.requests if n == 1 else 1)]
                     configs = [BenchConfig(workload=workload, num_streams=n, prompt_tokens=prompt,
                                            output_tokens=args.output_tokens, seed=s) for s in seeds]
-                    by_mode = results.setdefault((workload, n), {m: [] for m in MODES})
-                    for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
+                    by_mode = results.setdefault((workload, n), {m: [] for m in modes})
+                    for mode in (modes if rnd % 2 == 0 else modes[::-1]):
                         by_mode[mode].append(run_case(connections[mode], configs))
                     print(f"  round {rnd + 1} {workload} x{n}: " + ", ".join(
-                        f"{m} {by_mode[m][-1]['tok_s']:.1f} tok/s" for m in MODES), file=sys.stderr)
+                        f"{m} {by_mode[m][-1]['tok_s']:.1f} tok/s" for m in modes), file=sys.stderr)
     finally:
         for socket_dir in dirs.values():
             subprocess.run([*llmd, "stop", "--socket-dir", str(socket_dir)], check=False, capture_output=True,
                            env=env)
         tmp.cleanup()
     print(cpu_profile.machine_line())
-    print(f"model {info.get('model')}; {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; greedy; "
-          f"median of {args.rounds} rounds; one stream: {args.requests} requests in a row")
-    print(f"{'workload':<8} {'streams':>7} | {'off tok/s':>9} {'ngram tok/s':>11} | {'on/off':>6} {'range':>11} | "
+    drafting = f"; draft model {info.get('draft_model')}" if on_mode == "draft" else ""
+    print(f"model {info.get('model')}{drafting}; {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; "
+          f"greedy; median of {args.rounds} rounds; one stream: {args.requests} requests in a row")
+    print(f"{'workload':<8} {'streams':>7} | {'off tok/s':>9} {on_mode + ' tok/s':>11} | {'on/off':>6} {'range':>11} | "
           f"{'accepted':>8} {'tok/verify':>10} {'drafted':>8}")
     for (workload, n), by_mode in results.items():
         med = {m: sorted(r["tok_s"] for r in rs)[len(rs) // 2] for m, rs in by_mode.items()}
-        ratios = sorted(on["tok_s"] / off["tok_s"] for off, on in zip(by_mode["off"], by_mode["ngram"]))
-        drafted, accepted, verifications = (sum(r[k] for r in by_mode["ngram"])
+        ratios = sorted(on["tok_s"] / off["tok_s"] for off, on in zip(by_mode["off"], by_mode[on_mode]))
+        drafted, accepted, verifications = (sum(r[k] for r in by_mode[on_mode])
                                             for k in ("drafted", "accepted", "verifications"))
-        print(f"{workload:<8} {n:>7} | {med['off']:>9.1f} {med['ngram']:>11.1f} | {ratios[len(ratios) // 2]:>5.2f}x "
+        print(f"{workload:<8} {n:>7} | {med['off']:>9.1f} {med[on_mode]:>11.1f} | {ratios[len(ratios) // 2]:>5.2f}x "
               f"{ratios[0]:>5.2f}-{ratios[-1]:.2f} | {100 * accepted / max(drafted, 1):>7.0f}% "
               f"{1 + accepted / max(verifications, 1):>10.2f} {drafted / len(ratios):>8.0f}")
 

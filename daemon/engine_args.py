@@ -71,7 +71,8 @@ class EngineArgs:
         self.engine_config()
         self.quant_config()
         if (self.speculative == "draft") != (self.draft_model is not None):
-            raise ValueError("--speculative draft needs --draft-model NAME, and --draft-model needs --speculative draft")
+            raise ValueError("--speculative draft needs --draft-model NAME, and --draft-model needs "
+                             "--speculative draft")
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any], **overrides: Any) -> EngineArgs:

@@ -27,7 +27,8 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     target = make_hf_model("llama")
     return {"target": save_hf_model(target, root / "target", with_tokenizer=True),
             "near": save_hf_model(perturbed_copy(target, 0.03), root / "near", with_tokenizer=True),
-            "far": save_hf_model(make_hf_model("llama", seed=5, num_hidden_layers=1), root / "far", with_tokenizer=True)}
+            "far": save_hf_model(make_hf_model("llama", seed=5, num_hidden_layers=1), root / "far",
+                                 with_tokenizer=True)}
 
 
 def repetitive(i: int, n: int = 40) -> list[int]:

@@ -73,7 +73,8 @@ class DraftModel:
                  max_chunk: int = MAX_CATCH_UP) -> None:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
-        self.block_size, self.num_blocks, self.vocab_size, self.max_chunk = block_size, num_blocks, vocab_size, max_chunk
+        self.block_size, self.num_blocks, self.vocab_size = block_size, num_blocks, vocab_size
+        self.max_chunk = max_chunk
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self._held: dict[str, _Held] = {}
         self.model: LlamaForCausalLM | None = None
