@@ -89,7 +89,9 @@ def test_edit_workload_asks_for_code_rewritten(daemon) -> None:
         assert old in code and f"`{old}_renamed`" in text and 0 < len(code) <= 100 * 3.5
     assert [p.messages for p in plan(config, [])[0]] == [p.messages for p in plans]  # seeded
     # this tiny model's tokens are bytes, and its context 256: 20 "tokens" of code are ~70 bytes
-    r = bench(daemon, "--workload", "edit", "--streams", "2", "--prompt-tokens", "20", "--output-tokens", "12")
+    # seeded: an unlucky draw of a long identifier made a prompt too long for the 256-byte context (a CI run)
+    r = bench(daemon, "--workload", "edit", "--streams", "2", "--prompt-tokens", "20", "--output-tokens", "12",
+              "--seed", "5")
     assert r["workload"] == "edit" and r["num_failed"] == 0 and r["num_requests"] == 2, r["errors"]
     assert 2 * 70 < r["prompt_tokens"] and 0 < r["output_tokens_reported"] <= 2 * 12
 
