@@ -74,6 +74,11 @@ class AttentionBackend(Protocol):
         else why not."""
         ...
 
+    def unsupported_cache(self, cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str | None:
+        """None if this backend reads and writes a KV cache of ``cache_dtype`` (``--kv-cache-dtype``)
+        for a model of ``model_dtype``, else why not and what to use (one line)."""
+        ...
+
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
@@ -96,6 +101,9 @@ class TorchAttentionBackend:
     def unsupported(self, block_size: int, head_dim: int | None = None,
                     dtype: torch.dtype | None = None) -> str | None:
         return None
+
+    def unsupported_cache(self, cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str | None:
+        return None  # any (llmd.kernels.kv_format)
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -158,6 +166,12 @@ class TritonAttentionBackend:
     def unsupported(self, block_size: int, head_dim: int | None = None,
                     dtype: torch.dtype | None = None) -> str | None:
         return self._kernels.unsupported(block_size, head_dim, dtype)
+
+    def unsupported_cache(self, cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str | None:
+        if cache_dtype != model_dtype:
+            return (f"the Triton attention kernels read a KV cache of the model's dtype ({str(model_dtype)[6:]}), "
+                    f"not {str(cache_dtype)[6:]}; use --kv-cache-dtype auto or --attention torch")
+        return None
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -51,6 +51,7 @@ class EngineArgs:
     group_size: int | None = _default("group_size")
     attention: str = _default("attention")
     kv_cache_mb: int | None = _default("kv_cache_mb")
+    kv_cache_dtype: str = _default("kv_cache_dtype")
     gpu_memory_fraction: float = _default("gpu_memory_fraction")
     block_size: int = _default("block_size")
     max_num_seqs: int = _default("max_num_seqs")
@@ -86,7 +87,7 @@ class EngineArgs:
                             max_num_seqs=self.max_num_seqs, max_batched_tokens=self.max_batched_tokens,
                             max_model_len=self.max_model_len, prefix_cache=self.prefix_cache,
                             gpu_memory_fraction=self.gpu_memory_fraction, cuda_graphs=self.cuda_graphs,
-                            speculative=self.speculative)
+                            speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype)
 
     def quant_config(self) -> QuantConfig:
         """``--quant`` and ``--group-size``, checked."""

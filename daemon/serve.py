@@ -116,6 +116,8 @@ def serve(opts: DaemonOptions, companion: Companion | None = None) -> int:
                 "quantization": describe_quant(model, opts.engine.quant_config()),
                 "weight_bytes": sum(memory.values()), "weight_memory": memory, "kernels": model.kernels(),
                 "kv_cache_blocks": engine.num_blocks,
+                "kv_cache_dtype": str(engine.cache_dtype).removeprefix("torch."),
+                "kv_cache_tokens": engine.num_blocks * opts.engine.block_size,
                 "draft_model": resolved.draft_source.name if resolved.draft_source is not None else None,
                 "chat_template": bool(getattr(runtime.tokenizer, "chat_template", None)),
                 "log_file": opts.log_file,

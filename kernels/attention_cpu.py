@@ -1,7 +1,8 @@
 """Decode attention over the paged KV cache in the native CPU library (kernels/cpu/paged_attention.c).
 
 Same contract as :func:`llmd.kernels.attention_ref.decode_attention`, its reference: one query row
-per sequence, the newest token. The cache may be fp32 or bf16; the arithmetic is fp32.
+per sequence, the newest token. The cache may be fp32, bf16 or int8 (llmd.kernels.kv_format); the
+arithmetic is fp32.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import ctypes
 
 import torch
 
+from llmd.kernels.decode_cpu import CACHE_DTYPES, CACHE_KINDS
+from llmd.kernels.kv_format import head_dim_of
 from llmd.kernels.native import library
-
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def decode_attention(
@@ -23,7 +24,7 @@ def decode_attention(
 
     Args:
         query: ``[B, num_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fp32 or bf16.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, row]``, fp32, bf16 or int8.
         seq_lens: context length per row (the query token included): a list, or an int32 CPU
             tensor (what AttentionMetadata builds once per step, so no layer rebuilds it).
         block_tables: ``[B, >= max blocks]`` block ids.
@@ -33,11 +34,13 @@ def decode_attention(
         ``[B, num_heads, head_dim]`` in the query's dtype.
     """
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"the native decode attention reads fp32 or bf16 caches, not {k_cache.dtype}")
+        raise ValueError(f"the native decode attention reads fp32, bf16 or int8 caches, not {k_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the native decode attention needs contiguous caches")
     batch, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if head_dim_of(k_cache) != head_dim:
+        raise ValueError(f"queries of {head_dim} values per head against a cache of {head_dim_of(k_cache)}")
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     q = query.float().contiguous()
     tables = block_tables
     if tables.dtype != torch.int64 or not tables.is_contiguous():
@@ -50,7 +53,7 @@ def decode_attention(
         raise ValueError(f"{batch} query rows but {lens.shape[0]} lengths and {tables.shape[0]} block tables")
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
     (lib or library()).llmd_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_KINDS[k_cache.dtype],
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
         sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads(),
     )

@@ -3,8 +3,9 @@
 These are the ground truth for the Triton kernels and the CPU path until faster ones exist. They
 favour clarity over speed: one SDPA call per sequence, no fusion.
 
-Cache layout per layer (docs/architecture.md): ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V.
-A token's *slot* is ``block_id * block_size + offset``.
+Cache layout per layer (docs/architecture.md): ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V
+(an int8 cache's rows carry their scale: llmd.kernels.kv_format). A token's *slot* is
+``block_id * block_size + offset``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from llmd.kernels.kv_format import as_float, to_cache
 
 # decode(query, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window) -> out
 DecodeFn = Callable[..., torch.Tensor]
@@ -25,18 +28,20 @@ def write_kv(
     """Store each new token's K and V in its slot.
 
     Args:
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, row]`` (kv_format: the head's values,
+            int8 ones with their scale).
         key, value: ``[T, num_kv_heads, head_dim]``.
         slot_mapping: ``[T]`` int64 slot per token.
     """
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    num_kv_heads, row = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, to_cache(key, k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, to_cache(value, v_cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """Return the first ``length`` cached tokens of one sequence as ``[length, heads, dim]``."""
-    return cache.index_select(0, block_ids).flatten(0, 1)[:length]
+    """Return the first ``length`` cached tokens of one sequence as ``[length, heads, dim]`` (an int8
+    cache's dequantised to fp32)."""
+    return as_float(cache.index_select(0, block_ids).flatten(0, 1)[:length])
 
 
 def paged_attention(
@@ -136,8 +141,8 @@ def decode_attention(
     # [B, L, KVH, D] padded to the longest context; padding is masked below.
     # NOTE: computed in fp32 whatever the cache dtype: on the CPU, bf16 batched matmuls of these
     # small shapes cost several times more than the fp32 ones, and fp32 is also more accurate.
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].float()
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].float()
+    k = as_float(k_cache[tables].flatten(1, 2)[:, :max_len]).float()
+    v = as_float(v_cache[tables].flatten(1, 2)[:, :max_len]).float()
     q = query.view(batch, num_kv_heads, group, head_dim).float()
     scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
     lens = torch.as_tensor(seq_lens, device=query.device)

@@ -16,10 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from llmd.kernels import kv_format
 from llmd.kernels.native import library
 from llmd.kernels.quant_cpu import PackedWeight
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# the caches it reads, by their kind in kernels/cpu/kv_row.h (rows as llmd.kernels.kv_format lays them out)
+CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+CACHE_DTYPES = tuple(CACHE_KINDS)
 
 
 class _Linear(ctypes.Structure):
@@ -35,7 +38,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
-                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("cache_bf16", c_int32),
+                ("head_dim", c_int64), ("intermediate", c_int64), ("block_size", c_int64), ("cache_kind", c_int32),
                 ("nthreads", c_int32), ("eps", c_float), ("scale", c_float), ("inv_freq", c_void_p),
                 ("final_norm", c_void_p), ("layers", POINTER(_Layer))]
 
@@ -119,8 +122,8 @@ class DecodeStep:
         self.hidden = hidden
 
     def bind_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Point the layers at a KV cache (per layer ``[num_blocks, block_size, kv_heads, head_dim]``
-        K and V, fp32 or bf16, contiguous).
+        """Point the layers at a KV cache (per layer ``[num_blocks, block_size, kv_heads, row]`` K and V,
+        fp32, bf16 or int8 (llmd.kernels.kv_format), contiguous).
 
         Raises:
             ValueError: a cache the native step cannot read.
@@ -128,11 +131,14 @@ class DecodeStep:
         k0 = kv_caches[0][0]
         if k0.dtype not in CACHE_DTYPES or any(not (k.is_contiguous() and v.is_contiguous()) or k.dtype != k0.dtype
                                                or v.dtype != k0.dtype for k, v in kv_caches):
-            raise ValueError("the native decode step reads contiguous fp32 or bf16 KV caches")
+            raise ValueError(f"the native decode step reads contiguous fp32, bf16 or int8 KV caches, not {k0.dtype}")
+        if kv_format.head_dim_of(k0) != self._model.head_dim:
+            raise ValueError(f"a KV cache of heads of {kv_format.head_dim_of(k0)} values for a model of "
+                             f"{self._model.head_dim}")
         for struct, (k, v) in zip(self._layers, kv_caches):
             struct.k_cache, struct.v_cache = k.data_ptr(), v.data_ptr()
         self._model.block_size = k0.shape[1]
-        self._model.cache_bf16 = int(k0.dtype == torch.bfloat16)
+        self._model.cache_kind = CACHE_KINDS[k0.dtype]
         self._caches = kv_caches
 
     def _workspace_bytes(self, rows: int) -> int:

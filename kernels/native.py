@@ -59,6 +59,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_attention_spans": ([c_void_p, c_int64, c_void_p, c_int64, c_int64, c_void_p], c_int64),
     "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_float, c_void_p, c_int], None),
+    "llmd_kv_store_rows": ([c_void_p, c_int64, c_int64, c_int, c_void_p], None),
 }
 
 

@@ -139,6 +139,14 @@ def edit_messages(rng: random.Random, prompt_tokens: int) -> list[dict[str, str]
                                         f"`{old}` renamed to `{old}_renamed`. Output the whole code and nothing else."}]
 
 
+def kv_cache_text(dtype: str | None, tokens: int | None) -> str:
+    """The KV cache's format and capacity (``int8, 186368 tokens``), for ``llmd bench`` and ``llmd
+    status``; empty when the daemon does not say (an older one)."""
+    if not dtype:
+        return ""
+    return f"{dtype}, {tokens} tokens" if tokens else dtype
+
+
 def kernels_line(kernels: dict[str, str]) -> str:
     """One line from a model's kernels() report (the daemon's ``info["kernels"]``), for ``llmd
     bench`` and ``llmd status``."""
@@ -181,6 +189,7 @@ class BenchReport:
     preemptions: int | None  # None: not measured (another server, over HTTP)
     errors: list[str]
     kernels: dict[str, str] = field(default_factory=dict)  # what served the run (the model's kernels())
+    kv_cache: str = ""  # the KV cache's format and capacity (kv_cache_text)
     # speculative decoding over the run: verifications, draft tokens verified, accepted among them
     verifications: int = 0
     draft_tokens: int = 0
@@ -205,8 +214,9 @@ class BenchReport:
             ("inter-token", f"p50 {s(self.itl_p50)}, p99 {s(self.itl_p99)}"),
             ("end to end", f"p50 {s(self.e2e_p50)}, p99 {s(self.e2e_p99)}"),
             ("goodput", "-" if self.goodput is None else f"{self.goodput:.2f} req/s within the SLOs"),
-            ("KV cache", "- (not measured over HTTP)" if self.peak_kv_usage is None else
-             f"peak {100 * self.peak_kv_usage:.1f}% in use, {self.preemptions} preemptions"),
+            ("KV cache", (f"{self.kv_cache}; " if self.kv_cache else "") + (
+                "- (not measured over HTTP)" if self.peak_kv_usage is None else
+                f"peak {100 * self.peak_kv_usage:.1f}% in use, {self.preemptions} preemptions")),
             ("speculation", "no drafts verified" if not self.draft_tokens else
              f"{self.accepted_draft_tokens} of {self.draft_tokens} draft tokens accepted "
              f"({100 * self.accepted_draft_tokens / self.draft_tokens:.0f}%), "
@@ -228,7 +238,8 @@ class BenchRun:
 
 
 def summarise(config: BenchConfig, records: list[RequestRecord], duration: float, peak_kv: float | None,
-              preemptions: int | None, kernels: dict[str, str] | None = None, target: str = "") -> BenchReport:
+              preemptions: int | None, kernels: dict[str, str] | None = None, target: str = "",
+              kv_cache: str = "") -> BenchReport:
     ok = [r for r in records if r.error is None]
     ttfts = [r.token_times[0] - r.sent for r in ok if r.token_times]
     itls = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
@@ -258,6 +269,7 @@ def summarise(config: BenchConfig, records: list[RequestRecord], duration: float
         itl_p50=_pct(itls, 0.5), itl_p99=_pct(itls, 0.99), e2e_p50=_pct(e2es, 0.5), e2e_p99=_pct(e2es, 0.99),
         goodput=goodput, peak_kv_usage=peak_kv, preemptions=preemptions,
         errors=sorted({r.error for r in records if r.error is not None}), kernels=kernels or {}, target=target,
+        kv_cache=kv_cache,
         verifications=sum(r.speculation[0] for r in ok), draft_tokens=sum(r.speculation[1] for r in ok),
         accepted_draft_tokens=sum(r.speculation[2] for r in ok),
     )
@@ -302,7 +314,9 @@ async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progre
         # ids the model's own tokenizer makes, so any vocabulary size works
         vocab_ids = sorted(set(sync.tokenize(" ".join(f"w{i} alpha beta {i * 7}" for i in range(400)))))
         preemptions_before = sync.stats()["num_preemptions"]
-        kernels = sync.info().get("kernels", {})
+        info = sync.info()
+        kernels = info.get("kernels", {})
+        kv_cache = kv_cache_text(info.get("kv_cache_dtype"), info.get("kv_cache_tokens"))
     requests, warm = plan(config, vocab_ids)
     total = sum(r.output_tokens for r in requests)
     progress = None
@@ -331,7 +345,8 @@ async def run_bench(connection: dict[str, Any], config: BenchConfig, show_progre
         progress.close()
     with Client(connection=connection) as sync:
         preemptions = sync.stats()["num_preemptions"] - preemptions_before
-    return BenchRun(summarise(config, records, duration, peak[0], preemptions, kernels), records, t0)
+    return BenchRun(summarise(config, records, duration, peak[0], preemptions, kernels, kv_cache=kv_cache), records,
+                    t0)
 
 
 def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = False) -> BenchRun:
@@ -386,9 +401,11 @@ def run_bench_in_process(llm: Any, config: BenchConfig, show_progress: bool = Fa
         progress.close()
     peak = engine.take_peak_blocks_used() / engine.num_blocks
     done = list(records.values())
+    kv_cache = kv_cache_text(str(engine.cache_dtype).removeprefix("torch."),
+                             engine.num_blocks * engine.config.block_size)
     return BenchRun(summarise(config, done, duration, peak, engine.stats().num_preemptions - preemptions_before,
-                              engine.model.kernels()), done, t0)
+                              engine.model.kernels(), kv_cache=kv_cache), done, t0)
 
 
-__all__ = ["BenchConfig", "BenchReport", "BenchRun", "WORKLOADS", "kernels_line", "plan", "run_bench",
+__all__ = ["BenchConfig", "BenchReport", "BenchRun", "WORKLOADS", "kernels_line", "kv_cache_text", "plan", "run_bench",
            "run_bench_in_process", "summarise"]

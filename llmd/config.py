@@ -198,6 +198,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "gpu_memory_fraction leaves)", "MIB", "(sized at start)"),
     Option("gpu_memory_fraction", 0.8, lambda v: _number(v, 0.0, 1.0, low_open=True),
            "share of the GPU's memory llmd may use; the rest is left to the desktop", "F"),
+    Option("kv_cache_dtype", "auto", _Choice("auto", "float32", "bfloat16", "float16", "int8"),
+           "how the KV cache stores keys and values: auto is the model's dtype; int8 (a scale per token and head) "
+           "holds ~2x the tokens of bf16 in the same memory"),
     Option("block_size", 16, lambda v: _whole(v, 1, 1024), "tokens per KV block", "N"),
     # NOTE: per-row decode buffers and block tables are sized by max_num_seqs
     Option("max_num_seqs", 64, lambda v: _whole(v, 1, 4096), "requests running at once", "N"),

@@ -1,7 +1,8 @@
 """Hypothesis drives the engine with random adds, steps, aborts and forced preemptions, and checks
 the block accounting after every action: no block both free and owned, ref counts equal owners,
-no double free, and no leak once everything has drained; with speculative decoding on or off
-(repeating prompts, so drafts are made, accepted and rolled back)."""
+no double free, and no leak once everything has drained; with speculative decoding off, by prompt
+lookup or by a draft model (repeating prompts, so drafts are made, accepted and rolled back), and
+with the model's KV cache or an int8 one."""
 
 from __future__ import annotations
 
@@ -61,11 +62,13 @@ class EngineMachine(RuleBasedStateMachine):
     draft_dir: Path
 
     @initialize(num_blocks=st.integers(8, 24), chunk=st.sampled_from([1, 3, 8, 64]),
-                caching=st.booleans(), speculative=st.sampled_from(["off", "ngram", "draft"]))
-    def setup(self, num_blocks: int, chunk: int, caching: bool, speculative: str) -> None:
+                caching=st.booleans(), speculative=st.sampled_from(["off", "ngram", "draft"]),
+                cache=st.sampled_from(["auto", "int8"]))
+    def setup(self, num_blocks: int, chunk: int, caching: bool, speculative: str, cache: str) -> None:
         self.engine = make_engine(self.engine_dir, num_blocks=num_blocks, block_size=4,
                                   max_batched_tokens=chunk, prefix_cache=caching, max_num_seqs=6,
-                                  speculative=speculative, draft_dir=self.draft_dir if speculative == "draft" else None)
+                                  speculative=speculative, draft_dir=self.draft_dir if speculative == "draft" else None,
+                                  kv_cache_dtype=cache)
         if speculative == "draft":
             self.engine.draft_pass_cost = 0.0  # draft whatever a pass of the tiny draft model costs
         self.next_id = 0

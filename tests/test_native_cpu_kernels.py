@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llmd.kernels import cpu_profile, native, quant_cpu
+from llmd.kernels.kv_format import to_cache
 from llmd.kernels.quant_cpu import PackedWeight
 from llmd.quant.common import pack_int4
 from llmd.quant.int4 import Int4Linear, Int4Weight, dequantize_int4, quantize_int4
@@ -201,7 +202,7 @@ def test_without_the_library_layers_fall_back_to_torch(monkeypatch) -> None:
 # -- paged decode attention ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 36)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_attention_matches_reference(lib, cache_dtype, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -213,8 +214,8 @@ def test_decode_attention_matches_reference(lib, cache_dtype, num_heads: int, nu
     g = torch.Generator().manual_seed(num_heads * head_dim + (window or 0))
     block_size, num_blocks = 16, 40
     seq_lens = [1, 15, 16, 17, 100]
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    k_cache = to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g), cache_dtype)
+    v_cache = to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g), cache_dtype)
     tables = torch.randperm(num_blocks, generator=g)[:len(seq_lens) * 7].reshape(len(seq_lens), 7)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
     scale = head_dim ** -0.5
@@ -228,7 +229,7 @@ def test_decode_attention_rejects_what_it_cannot_read() -> None:
     from llmd.kernels import attention_cpu
 
     cache = torch.zeros(2, 16, 1, 8, dtype=torch.float16)
-    with pytest.raises(ValueError, match="fp32 or bf16"):
+    with pytest.raises(ValueError, match="fp32, bf16 or int8"):
         attention_cpu.decode_attention(torch.zeros(1, 1, 8), cache, cache, [1], torch.zeros(1, 1), 1.0)
 
 
@@ -290,7 +291,7 @@ def test_rope_matches_reference_on_strided_views(lib, dtype, tokens: int) -> Non
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("seq_lens,num_kv_heads", [([300], 3), ([700, 1], 1), ([600], 1)])
 @pytest.mark.parametrize("window", [None, 250])
 def test_decode_attention_split_over_keys_matches_reference(lib, cache_dtype, seq_lens: list[int],
@@ -303,8 +304,8 @@ def test_decode_attention_split_over_keys_matches_reference(lib, cache_dtype, se
     block_size, head_dim, num_heads = 16, 64, 3 * num_kv_heads
     width = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * width + 4
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    k_cache = to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g), cache_dtype)
+    v_cache = to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g), cache_dtype)
     tables = torch.randperm(num_blocks, generator=g)[:len(seq_lens) * width].reshape(len(seq_lens), width)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
     got = attention_cpu.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window, lib)
@@ -312,7 +313,7 @@ def test_decode_attention_split_over_keys_matches_reference(lib, cache_dtype, se
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("layout", [[(14, 5)], [(298, 6)], [(40, 1), (98, 5), (1, 1), (15, 3)]],
                          ids=["block-edge", "split-keys", "mixed"])
 @pytest.mark.parametrize("window", [None, 20])
@@ -328,8 +329,8 @@ def test_decode_attention_over_verified_spans_matches_reference(lib, cache_dtype
     block_size, head_dim, num_kv_heads, num_heads = 16, 64, 3, 9
     width = max(-(-(start + n) // block_size) for start, n in layout)
     num_blocks = len(layout) * width + 2
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    k_cache = to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g), cache_dtype)
+    v_cache = to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g), cache_dtype)
     own = torch.randperm(num_blocks, generator=g)[:len(layout) * width].reshape(len(layout), width)
     # row r of a span (start, n): the sequence's table, length start + r + 1
     tables = torch.cat([own[i:i + 1].expand(n, -1) for i, (_, n) in enumerate(layout)])
@@ -342,3 +343,23 @@ def test_decode_attention_over_verified_spans_matches_reference(lib, cache_dtype
     got = attention_cpu.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window, lib)
     want = attention_ref.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_kv_rows_are_stored_as_the_reference_stores_them(lib, cache_dtype) -> None:
+    """The decode step's K/V writes (kv_row.h) against llmd.kernels.kv_format, bit for bit: rows of
+    every magnitude (an fp16 scale that is subnormal, one near its top), zeros, ties."""
+    from llmd.kernels.decode_cpu import CACHE_KINDS
+    from llmd.kernels.kv_format import row_width
+
+    g = torch.Generator().manual_seed(3)
+    head_dim = 40  # not a multiple of 8: the vector loops' tails
+    rows = torch.randn(64, head_dim, generator=g) * torch.logspace(-7, 3, 64)[:, None]
+    rows[0] = 0.0
+    rows[1, :] = 2.5  # every value a tie of round-half-even after scaling ... and the amax
+    rows[2, :4] = torch.tensor([127.0, -63.5, 0.5, -0.5])
+    want = to_cache(rows, cache_dtype)
+    got = torch.empty(64, row_width(head_dim, cache_dtype), dtype=cache_dtype)
+    lib.llmd_kv_store_rows(rows.contiguous().data_ptr(), 64, head_dim, CACHE_KINDS[cache_dtype], got.data_ptr())
+    assert torch.equal(got.view(torch.uint8) if cache_dtype == torch.int8 else got,
+                       want.view(torch.uint8) if cache_dtype == torch.int8 else want)

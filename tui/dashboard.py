@@ -91,6 +91,7 @@ class Dashboard(Vertical):
 
     def set_info(self, info: dict[str, Any]) -> None:
         self.query_one("#model-line", Static).update(describe_model(info))
+        self.query_one(KVMap).set_capacity(info.get("kv_cache_dtype"), info.get("kv_cache_tokens"))
 
     def update_stats(self, stats: dict[str, Any], own_ids: set[str]) -> None:
         """Record a stats message; draw it now, or (if drawn less than REDRAW_INTERVAL_S ago) when

@@ -57,6 +57,12 @@ class KVMap(Widget):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.own: frozenset[int] = frozenset()  # block-map values of this chat's request
+        self.capacity = ""  # the cache's format and size in tokens, from the daemon's info (set_capacity)
+
+    def set_capacity(self, dtype: str | None, tokens: int | None) -> None:
+        """What the counts line says of the whole cache: ``int8 · 186,368 tokens``."""
+        self.capacity = f"{dtype} · {tokens:,} tokens" if dtype and tokens else ""
+        self.refresh()
 
     def update_map(self, block_map: bytes, own: frozenset[int]) -> None:
         self.own = own
@@ -89,7 +95,9 @@ class KVMap(Widget):
         cached = states.count(BLOCK_CACHED)
         used = n - cached - states.count(BLOCK_FREE)
         group = f" · 1 cell = {per_cell} blocks" if per_cell > 1 else ""
-        text.append(f"{used} used · {cached} cached · {n - used - cached} free · {100 * used / n:.1f}% in use{group}\n")
+        capacity = f" · {self.capacity}" if self.capacity else ""
+        text.append(f"{used} used · {cached} cached · {n - used - cached} free · {100 * used / n:.1f}% in use{group}"
+                    f"{capacity}\n")
         for label, glyph, style in (("yours", OWN_CELL, OWN), ("other requests", REQUEST_CELL, REQUEST_COLOURS[0]),
                                     ("shared", SHARED_CELL, SHARED), ("cached", CACHED_CELL, CACHED),
                                     ("free", FREE_CELL, FREE)):

@@ -31,7 +31,7 @@ import torch
 from llmd.daemon.attention import AttentionMetadata
 from llmd.daemon.device import host_tensor
 from llmd.daemon.engine.block_pool import Block, BlockPool
-from llmd.daemon.engine.model_runner import new_kv_cache
+from llmd.daemon.engine.model_runner import bind_decode_step, new_kv_cache
 from llmd.daemon.engine.sequence import Sequence
 from llmd.daemon.model_config import ModelConfig
 from llmd.daemon.models import LlamaForCausalLM
@@ -67,14 +67,16 @@ class DraftModel:
         num_blocks: blocks in its pool (the engine gives the target's count: the same tokens).
         vocab_size: the target's vocabulary; drafts are its ids (a draft head padded wider is cut).
         max_chunk: tokens of a sequence caught up per step before it drafts.
+        cache_dtype: its KV cache's (default the model's; llmd.kernels.kv_format).
     """
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int, vocab_size: int,
-                 max_chunk: int = MAX_CATCH_UP) -> None:
+                 max_chunk: int = MAX_CATCH_UP, cache_dtype: torch.dtype | None = None) -> None:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self.block_size, self.num_blocks, self.vocab_size = block_size, num_blocks, vocab_size
         self.max_chunk = max_chunk
+        self.cache_dtype = cache_dtype
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self._held: dict[str, _Held] = {}
         self.model: LlamaForCausalLM | None = None
@@ -85,7 +87,8 @@ class DraftModel:
         """Take the model (at start, and again after an idle unload) with a fresh cache."""
         self.model = model
         self.max_len = model.config.max_position_embeddings
-        self.kv_caches = new_kv_cache(model, self.num_blocks, self.block_size)
+        self.kv_caches = new_kv_cache(model, self.num_blocks, self.block_size, self.cache_dtype)
+        bind_decode_step(model, self.kv_caches)
 
     def unload(self) -> None:
         """Free the model and its cache; what was held is forgotten (its K/V are gone)."""

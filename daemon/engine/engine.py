@@ -10,13 +10,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from llmd.config import OPTIONS
 from llmd.daemon.engine.detokenizer import RequestDetokenizer
 from llmd.daemon.engine.draft_model import DraftModel, forward_cost
 from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
-from llmd.daemon.engine.model_runner import ModelRunner, kv_block_bytes
+from llmd.daemon.engine.model_runner import ModelRunner, bind_decode_step, kv_block_bytes
 from llmd.daemon.engine.ngram_proposer import DraftLength, accepted_prefix, draft_cost, propose
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
@@ -25,8 +27,10 @@ from llmd.daemon.engine.sequence import FinishReason, Sequence, check_priority
 from llmd.daemon.engine.stats import EngineStats, ThroughputMeter
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
+from llmd.kernels.kv_format import KV_CACHE_DTYPES
 
 SPECULATIVE_MODES = OPTIONS["speculative"].choices
+KV_CACHE_DTYPE_CHOICES = OPTIONS["kv_cache_dtype"].choices
 
 
 def _speculates(params: SamplingParams) -> bool:
@@ -58,6 +62,8 @@ class EngineConfig:
             its own prompt and output (daemon/engine/ngram_proposer.py) and verifies them in the step
             that computes its next token; ``draft`` drafts them with a second, smaller model (the
             engine's ``draft_model``, daemon/engine/draft_model.py); ``off`` never drafts.
+        kv_cache_dtype: the KV cache's dtype: ``auto`` (the model's), ``float32``, ``bfloat16``,
+            ``float16`` or ``int8`` (a scale per token and KV head, llmd.kernels.kv_format).
     """
 
     block_size: int = OPTIONS["block_size"].default
@@ -70,6 +76,7 @@ class EngineConfig:
     gpu_memory_fraction: float = OPTIONS["gpu_memory_fraction"].default
     cuda_graphs: bool = OPTIONS["cuda_graphs"].default
     speculative: str = OPTIONS["speculative"].default
+    kv_cache_dtype: str = OPTIONS["kv_cache_dtype"].default
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -90,6 +97,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model of ``model_dtype`` (``auto``: the same)."""
+        return model_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 @dataclass(slots=True)
@@ -127,8 +141,11 @@ class LLMEngine:
         backend = model.attn_backend
         if reason := backend.unsupported(config.block_size, model.config.head_dim, model.dtype):
             raise ValueError(f"{reason}; use --attention torch")
+        self.cache_dtype = config.cache_dtype(model.dtype)
+        if reason := backend.unsupported_cache(self.cache_dtype, model.dtype):
+            raise ValueError(reason)
         self.runner: ModelRunner | None = ModelRunner(model, config.block_size, config.max_num_seqs, self.max_model_len,
-                                                        config.cuda_graphs)
+                                                        config.cuda_graphs, self.cache_dtype)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
         self._start_runner()
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.prefix_cache)
@@ -139,7 +156,8 @@ class LLMEngine:
         self.draft_pass_cost = 0.0
         if draft_model is not None:
             self._check_draft(model, draft_model)
-            self.drafter = DraftModel(draft_model, config.block_size, self.num_blocks, self.vocab_size)
+            self.drafter = DraftModel(draft_model, config.block_size, self.num_blocks, self.vocab_size,
+                                      cache_dtype=config.cache_dtype(draft_model.dtype))
             self.draft_pass_cost = forward_cost(draft_model.config) / forward_cost(model.config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_batched_tokens, self.max_model_len), self.kv
@@ -190,13 +208,14 @@ class LLMEngine:
             self.drafter.load(draft_model)
         self.model = model
         self.runner = ModelRunner(model, self.config.block_size, self.config.max_num_seqs, self.max_model_len,
-                                  self.config.cuda_graphs)
+                                  self.config.cuda_graphs, self.cache_dtype)
         self._start_runner()
 
     def _start_runner(self) -> None:
         """The KV cache, and on a GPU with the Triton kernels a warm-up step of every size class,
         so that serving never stalls on a kernel compile (ModelRunner.warm_up)."""
         self.runner.allocate_kv_cache(self.num_blocks)
+        bind_decode_step(self.model, self.runner.kv_caches)
         if self.runner.device.type == "cuda" and self.model.attn_backend.name == "triton":
             self.runner.warm_up(self.config.max_batched_tokens)
 
@@ -215,7 +234,7 @@ class LLMEngine:
                                            cfg.max_num_seqs, cfg.gpu_memory_fraction)
         else:
             budget = cpu_kv_budget_bytes(cfg.kv_cache_mb)
-        per_block = kv_block_bytes(self.model, cfg.block_size, self.model.dtype)
+        per_block = kv_block_bytes(self.model, cfg.block_size, self.cache_dtype)
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never used
         return max(1, min(budget // per_block, useful))
 

@@ -24,6 +24,7 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch
 from llmd.daemon.engine.sequence import Sequence
 from llmd.daemon.models import LlamaForCausalLM
+from llmd.kernels import kv_format
 
 log = logging.getLogger("llmd")
 
@@ -43,19 +44,36 @@ def _graphs_unsupported(model: LlamaForCausalLM, device: torch.device) -> str | 
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+    """Bytes one block takes across all layers, K and V, in a cache of ``dtype`` (int8: its rows'
+    scales included, llmd.kernels.kv_format)."""
     cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv_format.row_bytes(cfg.head_dim, dtype)
 
 
-def new_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def new_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A zeroed paged KV cache for ``model``: per layer ``(K, V)``, each ``[num_blocks, block_size,
-    kv_heads, head_dim]`` in the model's dtype, on its device."""
+    kv_heads, row]`` of ``dtype`` (default the model's; a row as llmd.kernels.kv_format lays it out),
+    on its device."""
     cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    dtype = dtype or model.dtype
+    shape = (num_blocks, block_size, cfg.num_kv_heads, kv_format.row_width(cfg.head_dim, dtype))
     device = model.model.embed_tokens.weight.device
-    return [(torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)]
+
+
+def bind_decode_step(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Point the model's fused decode step at its KV cache now; a cache it cannot read (e.g. fp16
+    on the CPU) sends decode steps layer by layer instead, with the reason in the log."""
+    step = model.decode_step
+    if step is None:
+        return
+    try:
+        step.bind_cache(kv_caches)
+    except ValueError as e:
+        log.info("decode steps run layer by layer: %s", e)
+        model.decode_step = None
 
 
 @dataclass(slots=True)
@@ -83,12 +101,15 @@ class ModelRunner:
             size the decode steps' persistent input buffers).
         cuda_graphs: replay decode steps as CUDA graphs (daemon/engine/cuda_graphs.py; CUDA with the
             Triton attention backend only, else ignored with a warning).
+        cache_dtype: the KV cache's (default the model's; int8: llmd.kernels.kv_format).
     """
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, max_num_seqs: int,
-                 max_model_len: int | None = None, cuda_graphs: bool = False) -> None:
+                 max_model_len: int | None = None, cuda_graphs: bool = False,
+                 cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.block_size = block_size
+        self.cache_dtype = cache_dtype or model.dtype
         self.device = model.model.embed_tokens.weight.device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
@@ -107,7 +128,7 @@ class ModelRunner:
         self._graphs = None
 
     def _new_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return new_kv_cache(self.model, num_blocks, self.block_size)
+        return new_kv_cache(self.model, num_blocks, self.block_size, self.cache_dtype)
 
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """Run the largest step the scheduler can make (``num_tokens`` of prompt, logits and

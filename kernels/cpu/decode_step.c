@@ -10,7 +10,7 @@
  * Per layer:  h = rmsnorm(x) * w_in;  qkv = h Wqkv (+ b);  q/k norms (Qwen3);  RoPE on q and k;
  *             k, v into the paged cache at the tokens' slots;  a = attention(q, cache);
  *             x += a Wo (+ b);  h = rmsnorm(x) * w_post;  g, u = h Wgu;  x += (silu(g) * u) Wdown.
- * The residual stream x stays fp32 whatever the model dtype (the cache is fp32 or bf16); each
+ * The residual stream x stays fp32 whatever the model dtype (the cache is fp32, bf16 or int8); each
  * matmul quantises its input to int8 per 32 (llama.cpp's Q8 activations). The reference is the
  * model's torch code (llmd.daemon.models.llama); the two agree to within the activation
  * quantisation, which tests measure by log-probabilities and perplexity, not bit for bit.
@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_row.h"
 #include "llmd_cpu.h"
 #include "scalar.h"
 
@@ -41,13 +42,13 @@ typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     const float *q_norm, *k_norm;        /* [head_dim], or NULL */
     llmd_linear qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16 */
+    void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, row]: rows of cache_kind (kv_row.h) */
     int64_t window;          /* sliding window, 0 for none */
 } llmd_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-    int32_t cache_bf16, nthreads;
+    int32_t cache_kind, nthreads; /* enum llmd_cache_kind */
     float eps, scale;        /* RMSNorm epsilon, attention scale */
     const float *inv_freq;   /* [head_dim / 2] RoPE inverse frequencies (scaling applied) */
     const float *final_norm; /* [hidden] */
@@ -154,15 +155,6 @@ static inline void rope_row(float *v, int64_t heads, int64_t D, const float *c, 
     }
 }
 
-static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
-    if (!bf16) {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
-        return;
-    }
-    uint16_t *d = dst;
-    for (int64_t i = 0; i < n; i++) d[i] = llmd_f32_to_bf16(src[i]);
-}
-
 /* Quantise row m of x [M, k] into the matmul inputs (the rows' phases do it, saving a barrier). */
 static inline void quantize_row(const float *x, int64_t m, int64_t k, const buffers *b) {
     const int64_t nb = k / LLMD_QK;
@@ -198,8 +190,8 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
     /* a verified span of drafts is rows of one context, which attention reads once for all of them */
     const int64_t num_spans = llmd_attention_spans(block_tables, max_blocks, seq_lens, M, md->block_size, b.spans);
     const int64_t splits = llmd_attention_splits(num_spans, KVH, max_len, md->nthreads);
-    const int bf16 = md->cache_bf16;
-    const size_t token_bytes = (size_t)kv_size * (bf16 ? 2 : 4);
+    const int kind = md->cache_kind;
+    const int64_t row_bytes = llmd_kv_row_bytes(kind, D), token_bytes = KVH * row_bytes;
 #pragma omp parallel num_threads(md->nthreads)
     {
 #pragma omp for schedule(static)
@@ -225,11 +217,14 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
                 rope_row(qr, NH, D, b.cos + m * half, b.sin + m * half);
                 rope_row(kr, KVH, D, b.cos + m * half, b.sin + m * half);
                 if (slots[m] >= 0) { /* a negative slot: a padding row, which writes nothing */
-                    store_row((char *)ly->k_cache + slots[m] * token_bytes, kr, kv_size, bf16);
-                    store_row((char *)ly->v_cache + slots[m] * token_bytes, vr, kv_size, bf16);
+                    char *kd = (char *)ly->k_cache + slots[m] * token_bytes, *vd = (char *)ly->v_cache + slots[m] * token_bytes;
+                    for (int64_t h = 0; h < KVH; h++) { /* a row per KV head (an int8 row's scale is its own) */
+                        llmd_kv_store_row(kd + h * row_bytes, kr + h * D, D, kind);
+                        llmd_kv_store_row(vd + h * row_bytes, vr + h * D, D, kind);
+                    }
                 }
             }
-            llmd_decode_attention_body(b.qkv, qkv_size, ly->k_cache, ly->v_cache, bf16, block_tables, max_blocks,
+            llmd_decode_attention_body(b.qkv, qkv_size, ly->k_cache, ly->v_cache, kind, block_tables, max_blocks,
                                        seq_lens, b.spans, num_spans, NH, KVH, D, md->block_size, ly->window,
                                        md->scale, splits, b.partial, b.attn);
             llmd_q8_quantize_body(b.attn, M, q_size, b.xq, b.xd, b.xm);

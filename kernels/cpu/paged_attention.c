@@ -1,12 +1,13 @@
 /* Decode attention over a paged KV cache: each query row is the newest token of its sequence.
  *
- * q [B, H, D] fp32, caches [num_blocks, block_size, KVH, D] fp32 or bf16 (`cache_bf16`; a bf16
- * value is the top half of an fp32 one, so it widens exactly), block_tables [B, max_blocks] (int64),
+ * q [B, H, D] fp32, caches [num_blocks, block_size, KVH, row] of rows of D values as kv_row.h lays
+ * them out (`cache_kind`: fp32; bf16, which widens exactly; int8 with a scale per row, dequantised
+ * as the reference dequantises), block_tables [B, max_blocks] (int64),
  * seq_lens [B] (int32, the query token included), out [B, H, D] fp32. A key is visible when
  * k_pos >= seq_len - window (window 0: no sliding window).
  *
  * One task per (sequence, KV head): the GQA group's query heads share each key and value read
- * (bf16 rows are widened once per task). Per head three passes (scores eight keys at a time,
+ * (bf16 and int8 rows are converted to fp32 once per task). Per head three passes (scores eight keys at a time,
  * softmax, a weighted sum of V accumulated in registers) instead of an online softmax: the
  * rescaling an online softmax needs per key costs more than keeping the scores (one float per
  * key and head). With fewer (sequence, KV head) pairs than twice the threads (one stream), each
@@ -24,62 +25,33 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_row.h"
 #include "llmd_cpu.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 load8(const void *p, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)p);
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-#endif
-
-static inline float load1(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* K/V rows ahead of the one being widened to prefetch: they live in scattered blocks, so the
  * hardware prefetcher alone stalls at every block boundary. */
 #define PREFETCH_AHEAD 8
 
-/* dot(a, k) with a fp32 and k fp32 or bf16 */
-static inline float dot_k(const float *a, const void *k, int bf16, int64_t n) {
+/* dot(a, k), both fp32 */
+static inline float dot_k(const float *a, const float *k, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
-    const size_t width = bf16 ? 2 : 4;
     /* two accumulators: a head is 64-128 wide, so one chain of dependent FMAs would be latency-bound */
     __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)k + i * width, bf16), acc);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8((const char *)k + (i + 8) * width, bf16), acc2);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(k + i), acc);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(k + i + 8), acc2);
     }
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)k + i * width, bf16), acc);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(k + i), acc);
     s = llmd_hsum8(_mm256_add_ps(acc, acc2));
 #endif
-    for (; i < n; i++) s += a[i] * load1(k, i, bf16);
+    for (; i < n; i++) s += a[i] * k[i];
     return s;
-}
-
-/* A cached K or V row as fp32: the cache itself when it is fp32, else widened into `buf` once, so
- * that the group's query heads do not each convert it again. */
-static inline const float *row_f32(const char *src, int bf16, int64_t n, float *buf) {
-    if (!bf16) return (const float *)src;
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, load8(src + 2 * i, 1));
-#endif
-    for (; i < n; i++) buf[i] = load1(src, i, 1);
-    return buf;
 }
 
 /* s[i] = scale * dot(qh, rows[i]) for n rows of D. Four keys at a time, their partial sums reduced
@@ -109,7 +81,7 @@ static void scores_for(const float *qh, const float *const *rows, int64_t n, int
         }
     }
 #endif
-    for (; i < n; i++) s[i] = dot_k(qh, rows[i], 0, D) * scale;
+    for (; i < n; i++) s[i] = dot_k(qh, rows[i], D) * scale;
 }
 
 /* out[0:D] = sum_i p[i] * rows[i][0:D]. Accumulates 64 columns at a time in registers over all rows,
@@ -202,25 +174,25 @@ int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D, int64_t s
     return splits > 1 ? B * H * splits * (D + 2) : 0;
 }
 
-void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_bf16,
+void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_kind,
                                 const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                 const int64_t *spans, int64_t num_spans, int64_t H, int64_t KVH, int64_t D,
                                 int64_t block_size, int64_t window, float scale, int64_t splits, float *partial,
                                 float *out) {
     const int64_t group = H / KVH;
-    const size_t elem = cache_bf16 ? 2 : 4;
-    const int64_t token_stride = KVH * D;
+    const int64_t row_bytes = llmd_kv_row_bytes(cache_kind, D);
+    const int converted = cache_kind != LLMD_CACHE_F32;
     const int64_t B = spans[num_spans];
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     /* this thread's scratch, sized for the longest part of a context */
     const int64_t max_n = (max_len + splits - 1) / splits > 0 ? (max_len + splits - 1) / splits : 1;
     float *scores = malloc(sizeof(float) * (size_t)max_n);
-    /* K and V rows as fp32: the cache's own rows, or widened once for the whole group (bf16 caches) */
+    /* K and V rows as fp32: the cache's own rows, or converted once for the whole group (bf16, int8) */
     const float **k_rows = malloc(sizeof(float *) * (size_t)max_n);
     const float **v_rows = malloc(sizeof(float *) * (size_t)max_n);
-    float *k_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
-    float *v_widened = cache_bf16 ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
+    float *k_widened = converted ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
+    float *v_widened = converted ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_spans * KVH * splits; task++) {
         const int64_t span = task / (KVH * splits), kvh = task / splits % KVH, split = task % splits;
@@ -234,18 +206,20 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
         const int64_t *table = block_tables + b0 * max_blocks;
         for (int64_t pos = start; pos < end; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const int64_t offset = (slot * token_stride + kvh * D) * (int64_t)elem, i = pos - start;
+            const int64_t offset = (slot * KVH + kvh) * row_bytes, i = pos - start;
             if (pos + PREFETCH_AHEAD < end) { /* the cache is read once per step: mostly from DRAM */
                 const int64_t ahead = pos + PREFETCH_AHEAD;
-                const int64_t next = ((table[ahead / block_size] * block_size + ahead % block_size) * token_stride
-                                      + kvh * D) * (int64_t)elem;
-                for (int64_t byte = 0; byte < D * (int64_t)elem; byte += 64) {
+                const int64_t next = ((table[ahead / block_size] * block_size + ahead % block_size) * KVH + kvh)
+                                     * row_bytes;
+                for (int64_t byte = 0; byte < row_bytes; byte += 64) {
                     __builtin_prefetch((const char *)k_cache + next + byte);
                     __builtin_prefetch((const char *)v_cache + next + byte);
                 }
             }
-            k_rows[i] = row_f32((const char *)k_cache + offset, cache_bf16, D, cache_bf16 ? k_widened + i * D : NULL);
-            v_rows[i] = row_f32((const char *)v_cache + offset, cache_bf16, D, cache_bf16 ? v_widened + i * D : NULL);
+            k_rows[i] = llmd_kv_load_row((const char *)k_cache + offset, cache_kind, D,
+                                         converted ? k_widened + i * D : NULL);
+            v_rows[i] = llmd_kv_load_row((const char *)v_cache + offset, cache_kind, D,
+                                         converted ? v_widened + i * D : NULL);
         }
         for (int64_t b = b0; b < b1; b++) {
             /* this row's keys within the task's: [lo, hi) */
@@ -299,7 +273,7 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
 }
 
 /* Public: q [B, H, D] fp32 contiguous, out [B, H, D] fp32. */
-void llmd_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
+void llmd_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int cache_kind,
                                  const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                                  int64_t window, float scale, float *out, int nthreads) {
@@ -311,8 +285,15 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
     const int64_t floats = llmd_attention_partial_floats(B, H, D, splits);
     float *partial = floats ? malloc(sizeof(float) * (size_t)floats) : NULL;
 #pragma omp parallel num_threads(nthreads)
-    llmd_decode_attention_body(q, H * D, k_cache, v_cache, cache_bf16, block_tables, max_blocks, seq_lens, spans,
+    llmd_decode_attention_body(q, H * D, k_cache, v_cache, cache_kind, block_tables, max_blocks, seq_lens, spans,
                                num_spans, H, KVH, D, block_size, window, scale, splits, partial, out);
     free(partial);
     free(spans);
+}
+
+/* Public: n rows of D fp32 values stored as cache rows of `cache_kind`, exactly as the decode step
+ * stores a token's K and V (tests hold this against llmd.kernels.kv_format). */
+void llmd_kv_store_rows(const float *src, int64_t n, int64_t D, int cache_kind, void *dst) {
+    const int64_t row_bytes = llmd_kv_row_bytes(cache_kind, D);
+    for (int64_t r = 0; r < n; r++) llmd_kv_store_row((char *)dst + r * row_bytes, src + r * D, D, cache_kind);
 }

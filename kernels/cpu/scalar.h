@@ -52,4 +52,28 @@ static inline float llmd_f16_to_f32(uint16_t h) {
 #endif
 }
 
+/* fp32 to fp16, rounded to nearest even as torch rounds (overflow to inf, subnormals kept). */
+static inline uint16_t llmd_f32_to_f16(float f) {
+#ifdef __F16C__
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    const uint32_t bits = llmd_f32_bits(f), sign = (bits >> 16) & 0x8000u, abs = bits & 0x7fffffffu;
+    if (abs > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  /* NaN */
+    if (abs >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to inf */
+    if (abs < 0x38800000u) {                                   /* an fp16 subnormal, or zero */
+        if (abs <= 0x33000000u) return (uint16_t)sign;         /* at most half the smallest subnormal: to even 0 */
+        const uint32_t exp = abs >> 23, mant = (abs & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126 - exp; /* 14 .. 24 */
+        uint32_t h = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = (abs >> 13) - (112u << 10);
+    const uint32_t rest = abs & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* a carry into the exponent is right */
+    return (uint16_t)(sign | h);
+#endif
+}
+
 #endif

@@ -77,7 +77,8 @@ def start_background(args: argparse.Namespace, settings: Settings | None = None,
     else:
         raise LlmdError(f"the daemon did not come up within 10 minutes (log: {log_path})")
     print(f"llmd: started (pid {info['pid']}): {info['model']} on {info['device']}, {info['dtype']}, "
-          f"quantisation {info['quantization']}, KV cache {info['num_blocks']} blocks x {info['block_size']} tokens; "
+          f"quantisation {info['quantization']}, KV cache {info['num_blocks']} blocks x {info['block_size']} tokens"
+          f"{' (' + info['kv_cache_dtype'] + ')' if info.get('kv_cache_dtype') else ''}; "
           f"{'HTTP API on ' + info['http'] + '; ' if info.get('http') else ''}log: {log_path}")
     return 0
 

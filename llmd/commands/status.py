@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         f"kernels     {kernels_line(info.get('kernels', {}))}",
         f"weights     {info.get('weight_bytes', 0) / 2**20:.0f} MiB held: {_weight_memory_line(info)}",
         f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "
-        f"({info['block_size']} tokens each)",
+        f"({info['block_size']} tokens each{_kv_format(info)})",
         f"requests    {stats['num_running']} running, {stats['num_waiting']} waiting, "
         f"{stats['num_preemptions']} preemptions",
         f"throughput  {stats['prefill_tokens_per_s']:.1f} prompt tok/s, {stats['decode_tokens_per_s']:.1f} "
@@ -77,6 +77,13 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"HTTP API    {info['http']}/v1 (OpenAI), {info['http']}/api (Ollama), {info['http']}/metrics")
     print("\n".join(lines))
     return STATUS_RUNNING
+
+
+def _kv_format(info: dict) -> str:
+    from llmd.bench import kv_cache_text
+
+    text = kv_cache_text(info.get("kv_cache_dtype"), info.get("kv_cache_tokens"))
+    return f"; {text}" if text else ""
 
 
 def _speculation_line(info: dict, stats: dict) -> str:
