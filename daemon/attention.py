@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,6 +99,11 @@ class TorchAttentionBackend:
         its native kernel here)."""
         return attention_ref.decode_attention
 
+    def write_fn(self, cache_dtype: torch.dtype) -> Callable[..., None]:
+        """What writes a step's K/V into a cache of ``cache_dtype`` (the cpu backend plugs in its
+        native int8 writer here)."""
+        return attention_ref.write_kv
+
     def unsupported(self, block_size: int, head_dim: int | None = None,
                     dtype: torch.dtype | None = None) -> str | None:
         return None
@@ -111,7 +117,7 @@ class TorchAttentionBackend:
         sliding_window: int | None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        attention_ref.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        self.write_fn(k_cache.dtype)(k_cache, v_cache, key, value, meta.slot_mapping)
         decode = self.decode_fn(k_cache.dtype)
         if meta.max_query_len == 1:  # a pure decode step: the lengths tensor built once, not one per layer
             return decode(query, k_cache, v_cache, meta.seq_lens_tensor, meta.block_tables, scale, sliding_window)
@@ -135,6 +141,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if cache_dtype in attention_cpu.CACHE_DTYPES:
             return attention_cpu.decode_attention
         return attention_ref.decode_attention  # e.g. --dtype float16: the reference reads any dtype
+
+    def write_fn(self, cache_dtype: torch.dtype) -> Callable[..., None]:
+        from llmd.kernels import attention_cpu
+
+        return attention_cpu.write_kv if cache_dtype == torch.int8 else attention_ref.write_kv
 
 
 def native_attention_usable() -> str | None:

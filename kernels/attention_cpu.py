@@ -58,3 +58,22 @@ def decode_attention(
         sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads(),
     )
     return out.to(query.dtype)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
+    """:func:`llmd.kernels.attention_ref.write_kv` for an int8 cache, in the native library: the rows
+    quantised as the reference quantises them (bit for bit), in one call per cache instead of a
+    dozen torch operations (a prompt chunk's writes, every layer)."""
+    if k_cache.dtype != torch.int8 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the native KV write takes contiguous int8 caches")
+    tokens, num_kv_heads, head_dim = key.shape
+    if head_dim_of(k_cache) != head_dim or k_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"rows of {num_kv_heads}x{head_dim} for a cache of {k_cache.shape[2]}x{head_dim_of(k_cache)}")
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
+        else slot_mapping.to(torch.int64).contiguous()
+    native = lib or library()
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        rows = rows.float().contiguous()
+        native.llmd_kv_write(rows.data_ptr(), slots.data_ptr(), tokens, num_kv_heads, head_dim, CACHE_KINDS[torch.int8],
+                             cache.data_ptr(), torch.get_num_threads())

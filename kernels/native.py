@@ -60,6 +60,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_paged_decode_attention": ([c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_float, c_void_p, c_int], None),
     "llmd_kv_store_rows": ([c_void_p, c_int64, c_int64, c_int, c_void_p], None),
+    "llmd_kv_write": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int, c_void_p, c_int], None),
 }
 
 

@@ -363,3 +363,20 @@ def test_kv_rows_are_stored_as_the_reference_stores_them(lib, cache_dtype) -> No
     lib.llmd_kv_store_rows(rows.contiguous().data_ptr(), 64, head_dim, CACHE_KINDS[cache_dtype], got.data_ptr())
     assert torch.equal(got.view(torch.uint8) if cache_dtype == torch.int8 else got,
                        want.view(torch.uint8) if cache_dtype == torch.int8 else want)
+
+
+def test_the_native_kv_write_is_the_reference_s(lib) -> None:
+    """Prompt chunks' K/V into an int8 cache (llmd.kernels.attention_cpu.write_kv): the same bytes at
+    the same slots as the reference's write, a padding slot (-1) writing nothing."""
+    from llmd.kernels import attention_cpu, attention_ref
+
+    g = torch.Generator().manual_seed(4)
+    key, value = torch.randn(20, 3, 64, generator=g) * 5, torch.randn(20, 3, 64, generator=g)
+    slots = torch.randperm(64, generator=g)[:20]
+    slots[7] = -1
+    caches = [tuple(torch.zeros(4, 16, 3, 66, dtype=torch.int8) for _ in range(2)) for _ in range(2)]
+    keep = slots >= 0
+    attention_ref.write_kv(*caches[0], key[keep], value[keep], slots[keep])
+    attention_cpu.write_kv(*caches[1], key, value, slots, lib)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert caches[1][0].view(-1, 3, 66).abs().sum(dim=(1, 2)).count_nonzero() == 19

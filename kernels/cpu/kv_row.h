@@ -34,17 +34,45 @@ static inline void llmd_kv_store_row(void *dst, const float *src, int64_t D, int
         for (int64_t i = 0; i < D; i++) d[i] = llmd_f32_to_bf16(src[i]);
     } else {
         int8_t *q = dst;
+        int64_t i = 0;
         float amax = 0.0f;
-        for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(src[i]));
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_setzero_ps();
+        for (; i + 8 <= D; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, lanes[j]); /* a max is exact in any order */
+#endif
+        for (; i < D; i++) amax = fmaxf(amax, fabsf(src[i]));
         const float want = amax / 127.0f;
         uint16_t half = llmd_f32_to_f16(want);
         if (llmd_f16_to_f32(half) < want) half++; /* rounded up: the next fp16 (positive: its bits count up) */
         const float s = llmd_f16_to_f32(half);
-        for (int64_t i = 0; i < D; i++) {
-            const float v = s > 0.0f ? nearbyintf(src[i] / s) : 0.0f;
+        memcpy(q + D, &half, sizeof half);
+        if (s == 0.0f) { /* an all-zero row */
+            memset(q, 0, (size_t)D);
+            return;
+        }
+        i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        /* x / s (a division, as the reference: a reciprocal would round differently), to nearest even;
+         * |x / s| <= 127 as s was rounded up, so no clamp is needed */
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; i + 32 <= D; i += 32) {
+            __m256i v[4];
+            for (int j = 0; j < 4; j++)
+                v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src + i + 8 * j), vs),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            /* packs work within 128-bit lanes: one permute restores the order */
+            const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+#endif
+        for (; i < D; i++) {
+            const float v = nearbyintf(src[i] / s);
             q[i] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
         }
-        memcpy(q + D, &half, sizeof half);
     }
 }
 

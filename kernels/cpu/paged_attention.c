@@ -297,3 +297,17 @@ void llmd_kv_store_rows(const float *src, int64_t n, int64_t D, int cache_kind, 
     const int64_t row_bytes = llmd_kv_row_bytes(cache_kind, D);
     for (int64_t r = 0; r < n; r++) llmd_kv_store_row((char *)dst + r * row_bytes, src + r * D, D, cache_kind);
 }
+
+/* Public: the K or V rows of T new tokens, src [T, KVH, D] fp32, stored into a cache of `cache_kind`
+ * at their slots (slot * KVH + head; a negative slot writes nothing), as the decode step stores them:
+ * the prompt chunks' writes (llmd.kernels.attention_cpu.write_kv). */
+void llmd_kv_write(const float *src, const int64_t *slots, int64_t T, int64_t KVH, int64_t D, int cache_kind,
+                   void *cache, int nthreads) {
+    const int64_t row_bytes = llmd_kv_row_bytes(cache_kind, D);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * KVH >= 256)
+    for (int64_t r = 0; r < T * KVH; r++) {
+        const int64_t t = r / KVH, h = r % KVH;
+        if (slots[t] >= 0)
+            llmd_kv_store_row((char *)cache + (slots[t] * KVH + h) * row_bytes, src + r * D, D, cache_kind);
+    }
+}
