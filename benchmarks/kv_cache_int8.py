@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/kv_cache_int8.py                      # all three
     .venv/bin/python benchmarks/kv_cache_int8.py --only quality --chats 12
     .venv/bin/python benchmarks/kv_cache_int8.py --only speed --rounds 3
+    .venv/bin/python benchmarks/kv_cache_int8.py --only step          # the decode step alone, paired
 
 * capacity: the blocks and tokens the default model's KV pool holds in the same ``--kv-cache-mb``
   (1 GiB, the CPU default) with each cache dtype.
@@ -18,6 +19,10 @@
   tokens (the issue's load: long contexts), the same with 128-token prompts (short contexts), and one
   stream of 1,024. Reported: output tok/s of each (the median of the rounds) and the median of each
   round's paired ratio int8 / auto with its range. The ratio is the figure to quote.
+* step, in this process: the fused native decode step alone (what a decode step costs without the
+  prefill, sampling and the daemon that the loads above include), 16 rows at contexts of 16, 200 and
+  1,024 tokens over caches of random values, both engines' steps timed in turn, the median of each
+  pair's ratio. These machines drift by tens of per cent within minutes; a pair is milliseconds apart.
 """
 
 from __future__ import annotations
@@ -70,11 +75,11 @@ def quality(window: int, chats: int, max_tokens: int) -> None:
     print(f"quality: perplexity of {TEXT.name} in windows of {window} tokens")
     for name, kwargs in (("served (--dtype auto)", {}),
                          ("fp32 reference", dict(quant="none", dtype="float32", attention="torch"))):
-        ppl = {}
+        ppl, own = {}, ""
         for cache in ("auto", "int8"):
             llm = LLM(kv_cache_dtype=cache, **kwargs)
             ppl[cache] = perplexity.measure_in_process(llm, text, window=window)
-            own = str(llm.engine.cache_dtype)[6:]
+            own = own or str(llm.engine.cache_dtype)[6:]  # the model's own cache: auto's
             del llm
         print(f"  {name:<22} {own} cache {ppl['auto'].perplexity:.4f}, int8 cache {ppl['int8'].perplexity:.4f}: "
               f"{100 * (ppl['int8'].perplexity / ppl['auto'].perplexity - 1):+.2f}% "
@@ -138,9 +143,49 @@ def speed(rounds: int, output_tokens: int) -> None:
               f"{ratios[0]:>5.2f}-{ratios[-1]:.2f}")
 
 
+def step(rows: int, repeats: int) -> None:
+    import time
+
+    import torch
+
+    from llmd import LLM
+    from llmd.kernels.kv_format import quantize_rows
+
+    engines = {}
+    for cache in ("auto", "int8"):
+        engine = LLM(kv_cache_dtype=cache).engine
+        for k, v in engine.runner.kv_caches:  # plausible values: attention's arithmetic is value-blind
+            if k.dtype == torch.int8:
+                k.copy_(quantize_rows(torch.randn(*k.shape[:-1], k.shape[-1] - 2)))
+                v.copy_(quantize_rows(torch.randn(*v.shape[:-1], v.shape[-1] - 2)))
+            else:
+                k.normal_()
+                v.normal_()
+        engines[cache] = engine
+    bs = engines["auto"].config.block_size
+    print(f"step: the fused native decode step, {rows} rows, median of {repeats} paired timings")
+    for ctx in (16, 200, 1024):
+        width = -(-(ctx + 1) // bs)
+        tables = torch.stack([torch.arange(1, width + 1) + i * width for i in range(rows)]).long()
+        lens = torch.full((rows,), ctx + 1, dtype=torch.int32)
+        positions = (lens - 1).long()
+        slots = tables[torch.arange(rows), positions // bs] * bs + positions % bs
+        x = torch.randn(rows, engines["auto"].model.config.hidden_size) * 0.1
+        times: dict[str, list[float]] = {c: [] for c in engines}
+        for _ in range(repeats + 2):
+            for cache, engine in engines.items():
+                start = time.perf_counter()
+                engine.model.decode_step(x.clone(), positions, slots, tables, lens)
+                times[cache].append(time.perf_counter() - start)
+        ratios = sorted(a / b for a, b in zip(times["auto"][2:], times["int8"][2:]))
+        print(f"  context {ctx:>5}: {str(engines['auto'].cache_dtype)[6:]} {1e3 * statistics.median(times['auto'][2:]):6.1f} ms, "
+              f"int8 {1e3 * statistics.median(times['int8'][2:]):6.1f} ms: int8 {statistics.median(ratios):.2f}x as fast "
+              f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["capacity", "quality", "speed"], default=None)
+    parser.add_argument("--only", choices=["capacity", "quality", "speed", "step"], default=None)
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--chats", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64, help="quality: tokens per chat answer")
@@ -153,6 +198,8 @@ def main() -> None:
         capacity()
     if args.only in (None, "quality"):
         quality(args.window, args.chats, args.max_tokens)
+    if args.only in (None, "step"):
+        step(16, 10)
     if args.only in (None, "speed"):
         speed(args.rounds, args.output_tokens)
 

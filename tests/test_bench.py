@@ -20,7 +20,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("bench")
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp / "model", with_tokenizer=True)
     socket_dir, env = tmp / "run", daemon_env(tmp)
-    start_daemon(model_dir, socket_dir, "--block-size", "4", env=env)
+    # an int8 KV cache: the flag through the CLI, the daemon's info and the report (the loads' accounting,
+    # prefix hits included, is the same whatever the cache holds)
+    start_daemon(model_dir, socket_dir, "--block-size", "4", "--kv-cache-dtype", "int8", env=env)
     yield socket_dir, env
     stop_daemon(socket_dir, env)
 
@@ -46,6 +48,8 @@ def test_streams_report_is_self_consistent(daemon) -> None:
     assert 0 < r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"] <= r["e2e_p99"] <= r["duration_s"]
     assert 0 <= r["itl_p50"] <= r["itl_p99"] and r["e2e_p50"] <= r["e2e_p99"]
     assert 0 < r["peak_kv_usage"] <= 1 and r["preemptions"] == 0 and r["goodput"] is None
+    dtype, tokens = r["kv_cache"].split(", ")
+    assert dtype == "int8" and int(tokens.removesuffix(" tokens")) % 4 == 0  # blocks of 4 tokens
 
 
 def test_prefix_workload_hits_the_cache(daemon) -> None:

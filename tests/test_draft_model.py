@@ -203,3 +203,22 @@ def test_status_names_the_draft_model() -> None:
     line = _speculation_line({"speculative": "draft", "draft_model": "tiny-draft"},
                              {"draft_acceptance_rate": 0.5, "mean_accepted_length": 2.0, "num_draft_tokens_total": 8})
     assert line.startswith("draft (tiny-draft), 50% of 8 draft tokens accepted")
+
+
+def test_past_the_draft_model_s_context_it_does_not_draft(dirs) -> None:
+    """A sequence longer than the draft model's context is not caught up, again and again, only to be
+    dropped: it is simply not drafted."""
+    draft = load_model(resolve_model(dirs["near"])).model
+    drafter = DraftModel(draft, block_size=4, num_blocks=256, vocab_size=draft.config.vocab_size, max_chunk=16)
+    passes = []
+    forward = drafter._forward
+    drafter._forward = lambda rows, sample: passes.append(len(rows)) or forward(rows, sample)
+
+    class Seq:
+        def __init__(self, tokens: list[int]) -> None:
+            self.request_id, self.token_ids = "s", tokens
+
+    too_long = Seq(repetitive(1, draft.config.max_position_embeddings))
+    for _ in range(3):
+        assert drafter.propose([(too_long, 3)]) == [[]]
+    assert passes == [] and drafter.num_held == 0

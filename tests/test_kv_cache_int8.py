@@ -177,3 +177,10 @@ def test_an_fp16_cache_on_the_cpu_runs_layer_by_layer(model_dir) -> None:
     got = run_engine(engine, [(0, "a", list(range(3, 30)), GREEDY)])["a"]
     want = run_engine(make_engine(model_dir, **config), [(0, "a", list(range(3, 30)), GREEDY)])["a"]
     assert got[:4] == want[:4]
+
+
+def test_status_names_the_cache() -> None:
+    from llmd.commands.status import _kv_format
+
+    assert _kv_format({"kv_cache_dtype": "int8", "kv_cache_tokens": 90368}) == "; int8, 90368 tokens"
+    assert _kv_format({}) == ""  # an older daemon's info

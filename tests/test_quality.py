@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmd import perplexity
 from llmd.kernels.cpu_profile import has_fast_bf16
@@ -172,3 +173,28 @@ def test_through_the_daemon(tmp_path: Path, text: str, reference: float) -> None
         assert abs(served / reference - 1) < MARGIN, (served, reference)
     finally:
         stop_daemon(socket_dir, env)
+
+
+def test_an_int8_kv_cache_keeps_the_quality(text: str) -> None:
+    """Issue 23's gate: the served path's perplexity with an int8 KV cache within 1% of its own cache's.
+    The canary: the same cache holding 4-bit values (on the reference path, whose writes quantise in
+    torch) must miss the gate by a wide margin."""
+    from llmd import LLM
+    from llmd.kernels import kv_format
+
+    own = perplexity.measure_in_process(LLM(), text).perplexity
+    int8 = perplexity.measure_in_process(LLM(kv_cache_dtype="int8"), text).perplexity
+    assert abs(int8 / own - 1) < 0.01, (int8, own)
+    real = kv_format.quantize_rows
+
+    def four_bit(x):
+        rows = real(x)
+        values = (torch.round(rows[..., :-2].float() * 7 / 127) * 127 / 7).round().to(torch.int8)
+        return torch.cat([values, rows[..., -2:]], dim=-1)
+
+    kv_format.quantize_rows = four_bit
+    try:
+        coarse = perplexity.measure_in_process(LLM(kv_cache_dtype="int8", attention="torch"), text).perplexity
+    finally:
+        kv_format.quantize_rows = real
+    assert coarse / own - 1 > 0.05, (coarse, own)  # five times the bar, at least

@@ -229,6 +229,8 @@ async def test_dashboard_shows_blocks_and_requests(tmp_path: Path) -> None:
         assert kv.own == frozenset({BLOCK_FIRST_OWNER + 1})
         rendered = kv.render()
         assert "10 used · 2 cached · 52 free · 15.6% in use" in rendered.plain
+        kv.set_capacity("int8", 5648 * 16)  # what the daemon's info says of its cache (Dashboard.set_info)
+        assert "15.6% in use · int8 · 90,368 tokens" in kv.render().plain
         own_cells = [span for span in rendered.spans if str(span.style) == OWN]
         assert sum(span.end - span.start for span in own_cells) >= 6  # our 6 blocks (plus the legend's cell)
         assert cell_style(BLOCK_FIRST_OWNER, kv.own) != OWN

@@ -118,16 +118,19 @@ class DraftModel:
         rows: list[tuple[int, _Held, list[int]]] = []  # (index in wants, held, its new tokens)
         drafting = {seq.request_id for seq, _ in wants}
         for i, (seq, k) in enumerate(wants):
-            held = self._held.setdefault(seq.request_id, _Held())
             tokens = seq.token_ids
+            if len(tokens) + k - 1 > self.max_len:  # past the draft model's context: it cannot draft here
+                self.release(seq.request_id)
+                continue
+            held = self._held.setdefault(seq.request_id, _Held())
             keep = _common_prefix(held.tokens, tokens)
             if keep == len(tokens):  # the newest token held already (cannot happen with exact verification)
                 keep -= 1
             new = tokens[keep:keep + self.max_chunk]
             catching_up = keep + len(new) < len(tokens)
-            # room for the new tokens and the drafts fed back (all but the last), within its context
+            # room for the new tokens and the drafts fed back (all but the last)
             total = keep + len(new) + (0 if catching_up else k - 1)
-            if total > self.max_len or not self._fit(held, total, drafting):
+            if not self._fit(held, total, drafting):
                 self.release(seq.request_id)
                 continue
             del held.tokens[keep:]

@@ -220,9 +220,13 @@ class LLMEngine:
             self.runner.warm_up(self.config.max_batched_tokens)
 
     def _check_draft(self, model: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> None:
-        """A draft model runs beside the target: same device, a vocabulary at least the target's."""
+        """A draft model runs beside the target: same device, a vocabulary at least the target's, a KV
+        cache its attention backend reads."""
         if draft_model.model.embed_tokens.weight.device != model.model.embed_tokens.weight.device:
             raise ValueError("the draft model must be on the target's device")
+        if reason := draft_model.attn_backend.unsupported_cache(self.config.cache_dtype(draft_model.dtype),
+                                                                draft_model.dtype):
+            raise ValueError(f"the draft model: {reason}")
         if draft_model.config.vocab_size < self.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is smaller than "
                              f"the model's ({self.vocab_size}): a draft model must share the model's tokenizer")
