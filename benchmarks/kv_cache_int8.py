@@ -178,9 +178,9 @@ def step(rows: int, repeats: int) -> None:
                 engine.model.decode_step(x.clone(), positions, slots, tables, lens)
                 times[cache].append(time.perf_counter() - start)
         ratios = sorted(a / b for a, b in zip(times["auto"][2:], times["int8"][2:]))
-        print(f"  context {ctx:>5}: {str(engines['auto'].cache_dtype)[6:]} {1e3 * statistics.median(times['auto'][2:]):6.1f} ms, "
-              f"int8 {1e3 * statistics.median(times['int8'][2:]):6.1f} ms: int8 {statistics.median(ratios):.2f}x as fast "
-              f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
+        own, int8 = (1e3 * statistics.median(times[c][2:]) for c in ("auto", "int8"))
+        print(f"  context {ctx:>5}: {str(engines['auto'].cache_dtype)[6:]} {own:6.1f} ms, int8 {int8:6.1f} ms: "
+              f"int8 {statistics.median(ratios):.2f}x as fast ({ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 def main() -> None:

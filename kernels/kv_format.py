@@ -5,10 +5,15 @@ or fp16 a row is the head's ``head_dim`` values. In **int8** it is ``head_dim`` 
 their scale, an fp16 in the row's last two bytes (``head_dim + 2`` bytes; the tensor's dtype is
 int8): ``value = q * scale`` with ``scale = amax / 127`` of the row rounded up to an fp16 (so no
 value needs more than 127 steps: every value's error is within half a step), and
-``q = round(x / scale)`` in [-127, 127] (half to even, as torch and the C kernels round). A scale per (token, KV head) rather than per block: a block's rows are written
-one step at a time, so a per-block scale would have to be fixed before its later rows exist; and an
-outlier token spoils only its own row. fp16 for the scale (not fp32) keeps a row of the default
-model's 64 values at 66 bytes, 1.94x fewer than bf16's 128 (fp32: 68 bytes, 1.88x).
+``q = round(x / scale)`` in [-127, 127] (half to even, as torch and the C kernels round).
+
+A scale per (token, KV head) rather than per block: a block's rows are written one step at a time,
+so a per-block scale would have to be fixed before its later rows exist; and an outlier token
+spoils only its own row. fp16 for the scale (not fp32) keeps a row of the default model's 64 values
+at 66 bytes against bf16's 128: 1.94x the tokens in the same memory (an fp32 scale: 68 bytes, 1.88x).
+NOTE: keys lose the most (a few channels of a key row are ~10x the rest, and the row's one scale
+follows them: README "The KV cache" has the measurements); scales per 32 or 16 of a key's values, or
+channels evened out before quantising, are what to try next.
 
 Everything that writes or reads a cache goes through the layout named here: the torch reference
 (llmd.kernels.attention_ref), the native CPU kernels (kernels/cpu/paged_attention.c and
