@@ -1,8 +1,10 @@
-"""Decode attention over the paged KV cache in the native CPU library (kernels/cpu/paged_attention.c).
+"""Decode attention over the paged KV cache in the native CPU library (kernels/cpu/paged_attention.c),
+and the writes of prompt chunks' K/V into an int8 cache.
 
-Same contract as :func:`llmd.kernels.attention_ref.decode_attention`, its reference: one query row
-per sequence, the newest token. The cache may be fp32, bf16 or int8 (llmd.kernels.kv_format); the
-arithmetic is fp32.
+:func:`decode_attention` has the contract of :func:`llmd.kernels.attention_ref.decode_attention`, its
+reference: one query row per sequence, the newest token. The cache may be fp32, bf16 or int8
+(llmd.kernels.kv_format); the arithmetic is fp32. :func:`write_kv` is the reference's write for int8
+caches, bit for bit.
 """
 
 from __future__ import annotations
@@ -69,11 +71,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         raise ValueError("the native KV write takes contiguous int8 caches")
     tokens, num_kv_heads, head_dim = key.shape
     if head_dim_of(k_cache) != head_dim or k_cache.shape[2] != num_kv_heads:
-        raise ValueError(f"rows of {num_kv_heads}x{head_dim} for a cache of {k_cache.shape[2]}x{head_dim_of(k_cache)}")
+        raise ValueError(f"rows of {num_kv_heads}x{head_dim} for a cache of "
+                         f"{k_cache.shape[2]}x{head_dim_of(k_cache)}")
     slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
         else slot_mapping.to(torch.int64).contiguous()
     native = lib or library()
     for cache, rows in ((k_cache, key), (v_cache, value)):
         rows = rows.float().contiguous()
-        native.llmd_kv_write(rows.data_ptr(), slots.data_ptr(), tokens, num_kv_heads, head_dim, CACHE_KINDS[torch.int8],
-                             cache.data_ptr(), torch.get_num_threads())
+        native.llmd_kv_write(rows.data_ptr(), slots.data_ptr(), tokens, num_kv_heads, head_dim,
+                             CACHE_KINDS[torch.int8], cache.data_ptr(), torch.get_num_threads())
