@@ -191,15 +191,19 @@ def test_tcp_admits_only_the_connection_files_curve_key(daemon) -> None:
     peak_before = peak_rss(conn["pid"])
     flood = Raw(conn, "tcp_requests")
     # NOTE: not a blocking send: while the failed handshake is being retried the DEALER may have no
-    # pipe to queue into, and a blocking send then waited forever (one CI run hung here for 15 min)
-    deadline = time.monotonic() + 10
+    # pipe to queue into, and a blocking send then waited forever (one CI run hung here for 15 min).
+    # Nor one socket retried: another CI run saw it without a pipe for 10 s. A fresh DEALER has its
+    # pipe from connect() on, so each retry opens one.
+    deadline = time.monotonic() + 20
     while True:
         try:
             flood.sock.send_multipart([b"x" * (4 * 2**20 - 64)] * 60, flags=zmq.NOBLOCK)
             break
         except zmq.Again:
             assert time.monotonic() < deadline, "the flood could not even be queued"
+            flood.close()
             time.sleep(0.05)
+            flood = Raw(conn, "tcp_requests")
     time.sleep(1.5)
     flood.close()
     assert peak_rss(conn["pid"]) - peak_before < 50 * 2**20
