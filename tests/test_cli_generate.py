@@ -63,6 +63,10 @@ def test_progress_lines_when_not_a_terminal(capsys, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+# once, not again under the AVX2 profile (make test's time budget): what it adds is the command line;
+# the default model's kernels under that profile are test_engine_default_model's, test_decode_step's and
+# test_quality's
+@pytest.mark.profile_independent
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # one of them is --dtype auto
 def test_default_model_continues_paris_from_the_command_line(dtype: str) -> None:
     """The canary through the command line (tests/test_quality.py has its margin, > 4 logits, in
