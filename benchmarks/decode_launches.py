@@ -7,9 +7,10 @@ The engine runs the default model with the code paths it takes on a GPU: the Tri
 backend, the Triton INT4/INT8 matmuls on the projections and the dense LM head. Decode steps run
 three ways: layer by layer with the norms, RoPE and SiLU as torch operations ("torch ops", as before
 issue 19), layer by layer with them as one Triton kernel each ("fused ops"), and the fused decode
-step, llmd.kernels.decode_triton, five launches a layer ("fused step", what a GPU runs). Triton runs in interpreter mode with every kernel launch counted
-and *not executed* (the numbers are garbage; only the host side is measured), so a step takes the
-host's time only. `--batch` requests decode greedily; over `--steps` pure decode steps it reports:
+step, llmd.kernels.decode_triton, four launches a layer ("fused step", what a GPU runs). Triton runs
+in interpreter mode with every kernel launch counted and *not executed* (the numbers are garbage;
+only the host side is measured), so a step takes the host's time only. Speculative decoding is off.
+`--batch` requests decode greedily; over `--steps` pure decode steps it reports:
 
   triton     Triton kernel launches per step
   torch      torch operations that launch a CUDA kernel (views, allocations and other
@@ -20,7 +21,8 @@ host's time only. `--batch` requests decode greedily; over `--steps` pure decode
   host us    median wall time of engine.step() minus the LM head's matmul (on a GPU one launch,
              here the only heavy torch operation): scheduling, inputs, Python between kernels,
              torch's dispatch, sampling, detokenising. It leaves out the launch itself (the CUDA
-             driver, Triton's launcher): "est. us" adds --launch-us per launch for that.
+             driver, Triton's launcher): "est. us" adds --launch-us per launch for that. The
+             lowest median of --repeat runs of --steps steps: these machines' noise only adds.
 """
 
 from __future__ import annotations
@@ -57,14 +59,15 @@ class Counts:
 
 
 @contextmanager
-def stubbed_triton(counts: Counts):
-    """Count Triton launches by kernel name; run none of them."""
+def stubbed_triton(counts: Counts | None):
+    """Count Triton launches by kernel name (none counted with ``counts=None``, for the timing: the
+    count would be host time no GPU spends); run none of them."""
     from triton.runtime.interpreter import InterpretedFunction
 
     original = InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        if not warmup:
+        if not warmup and counts is not None:
             counts.triton[self.fn.__name__] += 1
 
     InterpretedFunction.run = run
@@ -124,11 +127,11 @@ def timed_head(model, box: list[float]):
         del model.compute_logits  # the bound method again
 
 
-def measure(llm, batch: int, steps: int) -> dict[str, float]:
+def measure(llm, batch: int, steps: int, repeat: int) -> dict[str, float]:
     from llmd import SamplingParams
 
     engine, model = llm.engine, llm.engine.model
-    params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=(repeat + 2) * steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", llm.encode(f"Request {i}: a long story."), params)
     counts = Counts()
@@ -141,20 +144,22 @@ def measure(llm, batch: int, steps: int) -> dict[str, float]:
     with stubbed_triton(counts), counted_reads(counts), CountKernels(counts):
         for _ in range(steps):
             engine.step()
-    walls, heads = [], []
+    medians = []
     box = [0.0]
-    with stubbed_triton(Counts()), timed_head(model, box):
-        for _ in range(steps):
-            box[0] = 0.0
-            start = time.perf_counter()
-            engine.step()
-            walls.append(time.perf_counter() - start)
-            heads.append(box[0])
+    with stubbed_triton(None), timed_head(model, box):
+        for _ in range(repeat):
+            host = []
+            for _ in range(steps):
+                box[0] = 0.0
+                start = time.perf_counter()
+                engine.step()
+                host.append(time.perf_counter() - start - box[0])
+            medians.append(statistics.median(host))
     for rid in list(engine.requests):
         engine.abort_request(rid)
     copies = engine.runner.decode_inputs.num_buffers
     return {"triton": counts.triton.total() / steps, "torch": counts.torch.total() / steps, "copies": copies,
-            "reads": counts.reads / steps, "host_us": 1e6 * statistics.median(w - h for w, h in zip(walls, heads)),
+            "reads": counts.reads / steps, "host_us": 1e6 * min(medians),
             "by_kernel": {f"triton {k}": v / steps for k, v in counts.triton.items()}
             | {f"torch {k}": v / steps for k, v in counts.torch.items()}}
 
@@ -164,6 +169,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=5, help="runs of --steps steps timed; the lowest median")
     parser.add_argument("--dtype", default="bfloat16", help="the activations' dtype (a GPU's: bfloat16)")
     parser.add_argument("--launch-us", type=float, default=4.0,
                         help="host time of one launch in the driver and Triton's launcher, for 'est. us'")
@@ -174,7 +180,9 @@ def main() -> None:
     from llmd.daemon.models.layer_ops import TorchLayerOps, TritonLayerOps
     from llmd.kernels import rope_cpu
 
-    llm = LLM(args.model, device="cpu", dtype=args.dtype, attention="triton")
+    # Speculation off: a step that verifies drafts has rows of several tokens, which go layer by
+    # layer (the prompt chunks' path); every measured step here is a pure decode step.
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, attention="triton", speculative="off")
     model = llm.engine.model
     model.use_triton_kernels()
     rope_cpu.usable = lambda *args: False  # the torch layers' RoPE as on a GPU, not the native CPU kernel
@@ -189,7 +197,7 @@ def main() -> None:
     for batch in args.batch:
         for name, ops, decode_step in modes:
             model.layer_ops, model.decode_step = ops, decode_step
-            r = measure(llm, batch, args.steps)
+            r = measure(llm, batch, args.steps, args.repeat)
             launches = r["triton"] + r["torch"] + r["copies"]
             print(f"{batch:>5} {name:>10} {r['triton']:>7.0f} {r['torch']:>6.0f} {r['copies']:>6} {launches:>8.0f} "
                   f"{launches / layers:>6.1f} {r['reads']:>5.0f} {r['host_us']:>8.0f} "

@@ -1,20 +1,23 @@
-"""A whole decode step on the GPU in five kernel launches per decoder layer (issue 19).
+"""A whole decode step on the GPU in four kernel launches per decoder layer (issue 19).
 
 Done layer by layer, a decode step of a small model is bound by the host launching kernels, not by
 the GPU: ~37 launches per layer before the fusions, ~10 with one kernel per norm, RoPE and SiLU.
-Here each layer is five, the elementwise work riding in the matmuls' launches and the attention's:
+Here each layer is four, the elementwise work riding in the matmuls' launches and the attention's:
 
 1. qkv projection, the input RMSNorm in its prologue (bias in its epilogue);
 2. attention, straight from the qkv output: RoPE (and Qwen3's q/k norm), the new K/V written to
    the cache, split-K over the context combined in the same launch
    (llmd.kernels.attention_triton.decode_attention_new_token);
 3. o projection, the residual add in its epilogue, in place into the residual stream;
-4. gate/up projection, the post-attention RMSNorm in its prologue;
-5. down projection, ``SiLU(gate) * up`` in its prologue and the residual add in its epilogue.
+4. the MLP (llmd.kernels.mlp_triton): the post-attention RMSNorm, gate/up, ``SiLU(gate) * up``,
+   down and the residual add. Where it cannot be one launch (INT8 or dense weights, or a batch
+   whose partial sums are too many for one program to combine) it is two: gate/up with the norm
+   in its prologue, then down with SiLU x up in its prologue and the residual add in its epilogue.
 
-The residual stream is the embeddings' tensor, updated in place by 3 and 5; the final norm is one
+The residual stream is the embeddings' tensor, updated in place by 3 and 4; the final norm is one
 more launch. Numerics are the layer-by-layer Triton path's, rounding for rounding (the fused
-GEMVs round as the separate kernels do), so a decode row's tokens do not depend on which path ran.
+kernels round as the separate kernels do; only fp32 summation orders differ), so a decode row's
+tokens do not depend on which path ran.
 
 The model builds a :class:`DecodeStep` once loaded (``LlamaForCausalLM.prepare_decode``) when every
 projection can take the fusions (the Triton INT4/INT8 matmuls, or dense weights through
@@ -32,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from llmd.kernels import attention_triton, norm_act_triton
+from llmd.kernels.mlp_triton import FusedMLP
+from llmd.kernels.quant_matmul_triton import FusedMatmul
 
 # A projection with its fusions bound (llmd.kernels.quant_matmul_triton.FusedMatmul, or
 # :func:`dense_projection`): ``project(x, out=buffer)``, or ``project(x, residual)`` for one that
@@ -53,17 +58,36 @@ def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None, *,
     return project
 
 
+# A layer's MLP with its norm and residual add: ``mlp(residual, gate_up_out)`` adds it into the
+# residual stream in place (``gate_up_out``: a ``[M, 2 x intermediate]`` buffer it may use).
+MLP = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def bind_mlp(gate_up: Projection, down: Projection) -> MLP:
+    """The MLP from its two bound projections, ``gate_up`` with the post-attention norm and
+    ``down`` with SiLU x up and the residual add: one launch where llmd.kernels.mlp_triton fuses
+    them (INT4 weights), else the two."""
+    if isinstance(gate_up, FusedMatmul) and isinstance(down, FusedMatmul):
+        try:
+            return FusedMLP(gate_up, down)
+        except ValueError:  # (INT8 weights, an odd intermediate size): the two launches below
+            pass
+
+    def mlp(x: torch.Tensor, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return down(gate_up(x, out=gate_up_out), x)
+    return mlp
+
+
 @dataclass(slots=True)
 class LayerWeights:
     """One decoder layer as the step runs it: its projections bound with their fusions, ``qkv``
-    with the input norm, ``o`` adding into the residual, ``gate_up`` with the post-attention norm,
-    ``down`` with SiLU x up and adding into the residual; its attention bound to its shape."""
+    with the input norm, ``o`` adding into the residual, the MLP (:func:`bind_mlp`); its
+    attention bound to its shape."""
 
     qkv: Projection
     attention: attention_triton.NewTokenDecode
     o: Projection
-    gate_up: Projection
-    down: Projection
+    mlp: MLP
     gate_up_width: int  # gate/up's output features (2 x intermediate)
 
 
@@ -96,6 +120,11 @@ class DecodeStep:
                 torch.empty((rows, first.gate_up_width), dtype=x.dtype, device=x.device))
         return held
 
+    @property
+    def launches_per_layer(self) -> int:
+        """A one-row step's launches per layer: 4 with one-launch MLPs, 5 with two GEMVs each."""
+        return 4 if isinstance(self.layers[0].mlp, FusedMLP) else 5
+
     def bind_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The KV cache the steps read and write (one ``(K, V)`` per layer)."""
         if len(kv_caches) != len(self.layers):
@@ -119,5 +148,5 @@ class DecodeStep:
             qkv = layer.qkv(residual, out=qkv_out)
             layer.attention(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, max_seq_len, attn_out)
             layer.o(attn_rows, residual)
-            layer.down(layer.gate_up(residual, out=gate_up_out), residual)
+            layer.mlp(residual, gate_up_out)
         return norm_act_triton.add_rms_norm(residual, None, self.final_norm, self.eps)[0]

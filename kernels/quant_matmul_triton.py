@@ -710,7 +710,8 @@ class FusedMatmul:
             self._fused = _Fusion()
         self.weight, self.dtype, self.add_residual, self.device = weight, dtype, add_residual, device
         self.out_dtype = out_dtype or dtype
-        self._norm, self._silu, self._bias = norm, silu, bias
+        # the fusions as bound (llmd.kernels.mlp_triton fuses a gate/up and a down into one launch)
+        self.norm, self.silu, self.bias = norm, silu, bias
         self._plans: dict[int, tuple] = {}
 
     @property
@@ -747,10 +748,10 @@ class FusedMatmul:
         if not (0 < m <= GEMV_MAX_M and x.dtype is self.dtype and shape[1] == self._width and x.is_contiguous()
                 and (out is None or (out.shape[0] == m and out.shape[1] == w.n and out.dtype is self.out_dtype
                                      and out.is_contiguous()))):
-            _check_x(x, w.k, self.device, self._norm, self._silu)
+            _check_x(x, w.k, self.device, self.norm, self.silu)
             if out is None and self.out_dtype is not x.dtype:
                 out = torch.empty((m, w.n), dtype=self.out_dtype, device=x.device)
-            result = _run(w, x, _path_for(m), _fusion(x, w.k, w.n, self._norm, self._silu, self._bias, residual),
+            result = _run(w, x, _path_for(m), _fusion(x, w.k, w.n, self.norm, self.silu, self.bias, residual),
                           out)
             return result if out is None or result is out else out.copy_(result)
         block_m = 1 if m == 1 else GEMV_DOT_BLOCK_M

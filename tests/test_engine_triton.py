@@ -96,12 +96,13 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     """Everything a GPU runs, under the interpreter: Triton attention, the fused norm/RoPE/SiLU
     kernels and the Triton INT4 matmuls (GEMV with split-K for decode rows, GEMM for prompt chunks),
     decode steps through the fused step (the norms, adds, RoPE and KV write in the matmuls' and the
-    attention's launches)
+    attention's launches, the MLP in one)
     give the tokens of the torch reference on the same INT4 weights (dequantise + matmul, torch
     attention and layer ops). fp32: the interpreter cannot run bf16 tl.dot (test_quant_triton.py).
     qwen2: GQA, qkv bias, tied head; 4 requests, two sharing a prefix (the interpreter is slow)."""
     from llmd.daemon.models.layer_ops import TorchLayerOps, TritonLayerOps
     from llmd.kernels.decode_triton import DecodeStep
+    from llmd.kernels.mlp_triton import FusedMLP
     from llmd.daemon.quantization import QuantConfig
 
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
@@ -123,6 +124,8 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     assert isinstance(gpu.model.layer_ops, TritonLayerOps) and isinstance(reference.model.layer_ops, TorchLayerOps)
     assert {m.cpu_path for m in gpu.model.modules() if hasattr(m, "cpu_path")} == {"triton"}
     assert isinstance(gpu.model.decode_step, DecodeStep)  # decode steps: llmd.kernels.decode_triton's
+    # four launches a layer: the MLP in one (llmd.kernels.mlp_triton)
+    assert all(isinstance(layer.mlp, FusedMLP) for layer in gpu.model.decode_step.layers)
     assert run_engine(gpu, requests) == expected
     assert gpu.num_verifications > 0  # speculation on (the default): drafts verified as decode rows
 

@@ -24,7 +24,7 @@ from llmd.kernels import attention_ref as ref
 from llmd.kernels import attention_triton as at
 from llmd.kernels import norm_act_triton as na
 from llmd.kernels import quant_matmul_triton as qmt
-from llmd.quant.int4 import dequantize_int4, quantize_int4
+from llmd.quant.int4 import Int4Weight, dequantize_int4, quantize_int4
 from llmd.quant.int8 import dequantize_int8, quantize_int8
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -128,6 +128,28 @@ def test_fused_matmuls_on_the_device(m: int, dtype: torch.dtype) -> None:
     want = residual.to(dtype).float() + (F.silu(gate) * up).float() @ w_ref.T
     got = down_like(gate_up.to(DEVICE), residual.to(dtype).clone().to(DEVICE)).cpu()  # (added into in place)
     assert rel_err(got, want) < 2 * MATMUL_TOL[dtype] and rel_err(got, residual) > CANARY
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 16])  # the four variants the default model launches (32/32/64/128 features)
+def test_one_launch_mlp_on_the_device(m: int, dtype: torch.dtype) -> None:
+    """The decode step's MLP in one launch (llmd.kernels.mlp_triton), the default model's shapes:
+    the last program to arrive combines the others' partials through L2, which only a GPU
+    really orders; against the torch MLP on the CPU, and deterministic."""
+    from test_mlp_triton import AGAINST_TORCH, bound, mlp_weights, torch_mlp
+
+    from llmd.kernels.mlp_triton import FusedMLP
+
+    gate_up, down, norm_w, g = mlp_weights(576, 1536, 32, dtype, seed=m)
+    on_dev = lambda w: Int4Weight(w.packed.to(DEVICE), w.scales.to(DEVICE), w.mins.to(DEVICE), w.group_size)
+    mlp = FusedMLP(*bound(on_dev(gate_up), on_dev(down), norm_w.to(DEVICE), dtype))
+    x = (torch.randn(m, 576, generator=g) * 30).to(dtype)
+    first, second = x.to(DEVICE).clone(), x.to(DEVICE).clone()  # (.to is no copy on the CPU)
+    mlp(first, torch.empty(0, device=DEVICE))
+    mlp(second, torch.empty(0, device=DEVICE))
+    want = torch_mlp(x, gate_up, down, norm_w)
+    assert torch.equal(first, second)
+    assert (first.cpu().float() - want).abs().max() / (want - x.float()).abs().max() < AGAINST_TORCH[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         # their kernel by prepare_head() (llmd.quant.int8_head).
         self._head_blocks: Int8Weight | None = None
         self.head_q8: Int8Head | None = None
-        # Pure decode steps in one native call on the CPU, or five fused launches per layer on the
+        # Pure decode steps in one native call on the CPU, or four or five fused launches per layer on the
         # Triton path (prepare_decode), where every layer can take it.
         self.decode_step: FusedDecodeStep | None = None
 
@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.decode_step, DecodeStep):
             decode = "one native call per step"
         elif self.decode_step is not None:
-            decode = "fused Triton step (5 launches per layer)"
+            decode = f"fused Triton step ({self.decode_step.launches_per_layer} launches per layer)"
         out = {"projections": ", ".join(names.get(p, p) for p in paths) or f"dense {str(self.dtype)[6:]}",
                "decode": decode, "attention": self.attn_backend.name, "lm_head": f"dense {str(self.dtype)[6:]}"}
         if self.head_q8 is not None:
@@ -274,10 +274,10 @@ class LlamaForCausalLM(nn.Module):
 
     def use_triton_kernels(self) -> None:
         """Bind what loading on a GPU binds, on whatever device the model is: the projections on the
-        Triton INT4/INT8 matmuls, the Q8_0 LM head on the Triton INT8 one, and with the Triton attention backend the fused
-        Triton decode step. On the CPU only under TRITON_INTERPRET=1, to test and count the GPU path
-        here (tests, benchmarks/decode_launches.py); the attention backend is the caller's (Triton,
-        for the whole GPU path)."""
+        Triton INT4/INT8 matmuls, the Q8_0 LM head on the Triton INT8 one, and with the Triton
+        attention backend the fused Triton decode step. On the CPU only under TRITON_INTERPRET=1, to
+        test and count the GPU path here (tests, benchmarks/decode_launches.py); the attention
+        backend is the caller's (Triton, for the whole GPU path)."""
         for module in self.modules():
             if hasattr(module, "cpu_path") and hasattr(module, "use"):  # llmd.quant's INT4/INT8 layers
                 module.use("triton")
@@ -352,8 +352,9 @@ class LlamaForCausalLM(nn.Module):
             layers.append(decode_triton.LayerWeights(
                 qkv=bind(attn.qkv_proj, norm=(layer.input_layernorm.weight, eps)), attention=attention,
                 o=bind(attn.o_proj, add_residual=True),
-                gate_up=bind(mlp.gate_up_proj, norm=(layer.post_attention_layernorm.weight, eps)),
-                down=bind(mlp.down_proj, silu=True, add_residual=True), gate_up_width=2 * cfg.intermediate_size))
+                mlp=decode_triton.bind_mlp(bind(mlp.gate_up_proj, norm=(layer.post_attention_layernorm.weight, eps)),
+                                           bind(mlp.down_proj, silu=True, add_residual=True)),
+                gate_up_width=2 * cfg.intermediate_size))
         return decode_triton.DecodeStep(layers, self.model.norm.weight, eps)
 
     def _decode_step_unsupported(self) -> str | None:
