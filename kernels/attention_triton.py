@@ -608,12 +608,46 @@ class NewTokenDecode:
         Returns:
             ``[B, num_heads, head_dim]`` in ``qkv.dtype`` (``out`` if given).
         """
+        out = self._check_call(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping, out)
+        batch = qkv.shape[0]
+        if batch == 0:
+            return out
+        num_splits = self.splits(batch, max_seq_len, k_cache.shape[1])
+        launch = self._launches.get((batch, num_splits)) or self._launch(qkv, k_cache, batch, num_splits)
+        launch(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping, out, block_tables.stride(0))
+        return out
+
+    def splits(self, batch: int, max_seq_len: int, block_size: int) -> int:
+        """The split count of a step of ``batch`` rows, the longest ``max_seq_len`` tokens."""
+        return self.num_splits or decode_splits(batch, self.num_kv_heads, max_seq_len, block_size)
+
+    def bind(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+             seq_lens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor,
+             num_splits: int) -> Callable[[], None]:
+        """A call (as :meth:`__call__`, in ``num_splits`` splits, see :meth:`splits`) with its tensors
+        fixed, checked now: a function of nothing that launches it on whatever they hold then (the
+        decode step's persistent buffers)."""
+        self._check_call(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping, out, inputs=True)
+        if qkv.shape[0] == 0:
+            return lambda: None
+        launch = self._launches.get((qkv.shape[0], num_splits)) or self._launch(qkv, k_cache, qkv.shape[0],
+                                                                                 num_splits)
+        return functools.partial(launch, qkv, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping, out,
+                                 block_tables.stride(0))
+
+    def _check_call(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, out: torch.Tensor | None, inputs: bool = False) -> torch.Tensor:
+        """Check a call's arguments (the step's inputs only when the cache is new, or ``inputs``);
+        returns ``out``, allocated when None."""
         batch = qkv.shape[0]
         if qkv.ndim != 2 or qkv.shape[1] != self.width or not qkv.is_contiguous():
             raise ValueError(f"qkv must be a contiguous [B, {self.width}] tensor (q, k, v heads), got "
                              f"{tuple(qkv.shape)}")
-        if self._checked is None or self._checked[0] is not k_cache or self._checked[1] is not v_cache:
+        new_cache = self._checked is None or self._checked[0] is not k_cache or self._checked[1] is not v_cache
+        if new_cache:
             self._check_cache(k_cache, v_cache, qkv.dtype)
+        if new_cache or inputs:
             if qkv.device != k_cache.device:
                 raise ValueError(f"qkv is on {qkv.device}, the KV cache on {k_cache.device}")
             _check_decode_batch(batch, block_tables, seq_lens)
@@ -627,11 +661,6 @@ class NewTokenDecode:
         elif out.shape != (batch, self.num_heads, self.head_dim) or out.dtype != qkv.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous [{batch}, {self.num_heads}, {self.head_dim}] {qkv.dtype} "
                              f"tensor, got {tuple(out.shape)} {out.dtype}")
-        if batch == 0:
-            return out
-        num_splits = self.num_splits or decode_splits(batch, self.num_kv_heads, max_seq_len, k_cache.shape[1])
-        launch = self._launches.get((batch, num_splits)) or self._launch(qkv, k_cache, batch, num_splits)
-        launch(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slot_mapping, out, block_tables.stride(0))
         return out
 
     def _launch(self, qkv: torch.Tensor, k_cache: torch.Tensor, batch: int, num_splits: int) -> Callable:

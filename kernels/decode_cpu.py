@@ -15,6 +15,7 @@ from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from llmd.kernels import kv_format
 from llmd.kernels.native import library
@@ -149,6 +150,10 @@ class DecodeStep:
 
     def bound_to(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         return kv_caches is self._caches
+
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The new tokens' embeddings (the native step copies them to fp32 itself)."""
+        return F.embedding(input_ids, weight)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:

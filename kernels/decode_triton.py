@@ -28,6 +28,7 @@ by layer. Everything it reads lives in tensors, so the step can be captured as a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,21 +105,32 @@ class DecodeStep:
     def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, eps: float) -> None:
         self.layers, self.final_norm, self.eps = layers, final_norm, eps
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # The layers' qkv, attention and gate/up outputs by row count, allocated once and shared by
-        # every layer (each is consumed before the next layer writes it): no allocation per launch.
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # By row count, allocated once: the residual stream (the embeddings go there, :meth:`embed`),
+        # and the layers' qkv, attention and gate/up outputs, shared by every layer (each is consumed
+        # before the next layer writes it): no allocation per launch.
+        self._buffers: dict[int, _Buffers] = {}
+        # By (rows, splits): the launches of a step on those buffers and the step's inputs, each
+        # bound once (its arguments checked and packed), run as they are while the inputs are the
+        # same tensors (llmd.daemon.engine.decode_inputs keeps them so).
+        self._programs: dict[tuple[int, int], _Program] = {}
 
-    def _buffers_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = x.shape[0]
+    def _buffers_for(self, rows: int, dtype: torch.dtype, device: torch.device) -> _Buffers:
         held = self._buffers.get(rows)
-        if held is None or held[0].dtype != x.dtype:
+        if held is None or held.residual.dtype != dtype or held.residual.device != device:
             first = self.layers[0]
             att = first.attention
-            held = self._buffers[rows] = (
-                torch.empty((rows, att.width), dtype=x.dtype, device=x.device),
-                torch.empty((rows, att.num_heads, att.head_dim), dtype=x.dtype, device=x.device),
-                torch.empty((rows, first.gate_up_width), dtype=x.dtype, device=x.device))
+            new = functools.partial(torch.empty, dtype=dtype, device=device)
+            held = self._buffers[rows] = _Buffers(new((rows, self.final_norm.shape[0])), new((rows, att.width)),
+                                                  new((rows, att.num_heads, att.head_dim)),
+                                                  new((rows, first.gate_up_width)))
         return held
+
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids`` (``weight``'s rows), written into this step's residual
+        buffer for their row count: the same tensor every step of that count, so that a step on it
+        runs its bound launches (:meth:`__call__`)."""
+        held = self._buffers_for(input_ids.shape[0], weight.dtype, weight.device)
+        return torch.index_select(weight, 0, input_ids, out=held.residual)
 
     @property
     def launches_per_layer(self) -> int:
@@ -130,6 +142,7 @@ class DecodeStep:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"a KV cache of {len(kv_caches)} layers for a model of {len(self.layers)}")
         self._caches = kv_caches
+        self._programs.clear()  # bound to the old cache
 
     def bound_to(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         return kv_caches is self._caches
@@ -141,8 +154,19 @@ class DecodeStep:
         int32 (the new token included) and their maximum on the host (the attention's split count).
         Returns the final norm's output ``[M, hidden]`` in x's dtype."""
         rows = x.shape[0]
+        held = self._buffers.get(rows)
+        if held is not None and x is held.residual and self._caches:  # from embed(): the bound launches
+            splits = self.layers[0].attention.splits(rows, max_seq_len, self._caches[0][0].shape[1])
+            program = self._programs.get((rows, splits))
+            if program is None or not program.takes(positions, slots, block_tables, seq_lens):
+                program = self._programs[(rows, splits)] = self._bind(held, positions, slots, block_tables, seq_lens,
+                                                                       splits)
+            for launch in program.launches:
+                launch()
+            return norm_act_triton.add_rms_norm(x, None, self.final_norm, self.eps)[0]
         residual = x
-        qkv_out, attn_out, gate_up_out = self._buffers_for(x)
+        buffers = self._buffers_for(rows, x.dtype, x.device)
+        qkv_out, attn_out, gate_up_out = buffers.qkv, buffers.attention, buffers.gate_up
         attn_rows = attn_out.view(rows, -1)
         for layer, (k_cache, v_cache) in zip(self.layers, self._caches):
             qkv = layer.qkv(residual, out=qkv_out)
@@ -150,3 +174,44 @@ class DecodeStep:
             layer.o(attn_rows, residual)
             layer.mlp(residual, gate_up_out)
         return norm_act_triton.add_rms_norm(residual, None, self.final_norm, self.eps)[0]
+
+    def _bind(self, held: _Buffers, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+              seq_lens: torch.Tensor, splits: int) -> _Program:
+        """Every launch of a step on ``held`` and these inputs, in ``splits`` attention splits, bound."""
+        x, qkv, attn = held.residual, held.qkv, held.attention
+        attn_rows = attn.view(x.shape[0], -1)
+        launches = []
+        for layer, (k_cache, v_cache) in zip(self.layers, self._caches):
+            launches += [_bound(layer.qkv, x, out=qkv),
+                         layer.attention.bind(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, attn,
+                                              splits),
+                         _bound(layer.o, attn_rows, x), _bound(layer.mlp, x, held.gate_up)]
+        return _Program((positions, slots, block_tables, seq_lens), launches)
+
+
+def _bound(call: Callable, *args, **kwargs) -> Callable[[], object]:
+    """``call(*args, **kwargs)`` as a function of nothing: bound by the callee (checked once) where it
+    can bind (FusedMatmul, FusedMLP), else as it is."""
+    bind = getattr(call, "bind", None)
+    return functools.partial(call, *args, **kwargs) if bind is None else bind(*args, **kwargs)
+
+
+@dataclass(slots=True)
+class _Buffers:
+    """A step's tensors for one row count (see DecodeStep._buffers)."""
+
+    residual: torch.Tensor
+    qkv: torch.Tensor
+    attention: torch.Tensor
+    gate_up: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Program:
+    """A step's launches, bound to its inputs (see DecodeStep._programs)."""
+
+    inputs: tuple[torch.Tensor, ...]
+    launches: list[Callable[[], object]]
+
+    def takes(self, *inputs: torch.Tensor) -> bool:
+        return all(a is b for a, b in zip(inputs, self.inputs))

@@ -36,6 +36,9 @@ Tested on the CPU with the Triton interpreter against the two GEMVs and the torc
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -289,3 +292,13 @@ class FusedMLP:
         launch, weights, sizes, kwargs = plan
         launch(x, *weights, shape[0], *sizes, **kwargs)
         return x
+
+    def bind(self, x: torch.Tensor, gate_up_out: torch.Tensor) -> Callable[[], object]:
+        """This call with its tensors fixed, checked now: a function of nothing that launches it
+        on whatever they hold then (the decode step's persistent buffers)."""
+        shape = x.shape
+        if not (len(shape) == 2 and 0 < shape[0] <= GEMV_MAX_M and shape[1] == self.hidden
+                and x.dtype is self.down.dtype and x.is_contiguous()) or self._plan(shape[0]) is None:
+            return functools.partial(self, x, gate_up_out)
+        launch, weights, sizes, kwargs = self._plan(shape[0])
+        return functools.partial(launch, x, *weights, shape[0], *sizes, **kwargs)

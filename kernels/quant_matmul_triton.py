@@ -43,6 +43,7 @@ Tested on the CPU with the Triton interpreter (``TRITON_INTERPRET=1``) against
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -762,6 +763,28 @@ class FusedMatmul:
         launch(x, *w.tensors, out, out if part is None else part, counters, x if norm_w is None else norm_w,
                x if bias is None else bias, out, m, n, k, eps, x.stride(0), sw, ss, n, n, k_iters, split, **kwargs)
         return out
+
+
+    def bind(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+             out: torch.Tensor | None = None) -> Callable[[], object]:
+        """This call with its tensors fixed, checked now: a function of nothing that launches it
+        on whatever they hold then (a decode step's persistent buffers, llmd.kernels.decode_triton;
+        they must keep their shapes). Its result is in ``out`` (or ``residual``)."""
+        if (residual is not None) != self.add_residual:
+            raise ValueError("a residual is " + ("required" if self.add_residual else "not taken") + " here")
+        if residual is not None:
+            out = residual
+        w = self.weight
+        m = x.shape[0] if x.ndim == 2 else 0
+        if not (0 < m <= GEMV_MAX_M and x.dtype is self.dtype and x.shape[1] == self._width and x.is_contiguous()
+                and out is not None and out.shape == (m, w.n) and out.dtype is self.out_dtype and out.is_contiguous()):
+            return functools.partial(self, x, residual, out=out)  # checked at each call
+        block_m = 1 if m == 1 else GEMV_DOT_BLOCK_M
+        launch, part, counters, norm_w, bias, n, k, eps, sw, ss, k_iters, split, kwargs = \
+            self._plans.get(block_m) or self._plan(block_m)
+        return functools.partial(launch, x, *w.tensors, out, out if part is None else part, counters,
+                                 x if norm_w is None else norm_w, x if bias is None else bias, out, m, n, k, eps,
+                                 x.stride(0), sw, ss, n, n, k_iters, split, **kwargs)
 
 
 def fused_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,

@@ -30,6 +30,18 @@ def test_default_tokenizer_deltas(default_model_path) -> None:
     for text in TEXTS:
         ids = tok.encode(text)
         detok = IncrementalDetokenizer(tok)
+        assert detok._decode_ids == tok.backend_tokenizer.decode  # the Rust decode, straight (no space clean-up)
         deltas = [detok.push(i) for i in ids]
-        assert "".join(deltas) + detok.flush() == tok.decode(ids)
+        assert "".join(deltas) + detok.flush() == tok.decode(ids)  # transformers' decode, the reference
         assert all("\ufffd" not in d for d in deltas)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers() -> None:
+    """transformers' clean-up (spaces before punctuation) is not in the backend's decode: such a
+    tokenizer keeps transformers' decode, whose text is the reference."""
+    tok = make_tiny_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    detok = IncrementalDetokenizer(tok)
+    assert detok._decode_ids == tok.decode
+    ids = tok.encode("a , b .")
+    assert "".join(detok.push(i) for i in ids) + detok.flush() == tok.decode(ids)

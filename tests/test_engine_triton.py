@@ -61,7 +61,7 @@ class CountedStep:
     def __init__(self, step) -> None:
         self.step, self.calls = step, 0
         self.takes_mixed_steps = step.takes_mixed_steps
-        self.bind_cache, self.bound_to = step.bind_cache, step.bound_to
+        self.bind_cache, self.bound_to, self.embed = step.bind_cache, step.bound_to, step.embed
 
     def __call__(self, *args):
         self.calls += 1
@@ -128,6 +128,41 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     assert all(isinstance(layer.mlp, FusedMLP) for layer in gpu.model.decode_step.layers)
     assert run_engine(gpu, requests) == expected
     assert gpu.num_verifications > 0  # speculation on (the default): drafts verified as decode rows
+
+
+def test_the_fused_steps_bound_launches_equal_its_calls(tmp_path: Path) -> None:
+    """A step on the embeddings the decode step placed (embed()) runs its launches bound once
+    (their arguments checked and packed at the first step of a row count and split count); a step
+    on other tensors calls each kernel's wrapper. Same kernels, same arguments: bit for bit the
+    same hidden states, on two row counts, and new inputs rebind."""
+    import torch.nn.functional as F
+
+    from llmd.daemon.models.layer_ops import TritonLayerOps
+    from llmd.daemon.quantization import QuantConfig
+
+    model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
+    engine = make_engine(model_dir, attention=TorchAttentionBackend(), quant=QuantConfig("int4", 32), num_blocks=16,
+                         block_size=16)
+    model = engine.model
+    model.attn_backend, model.layer_ops = TritonAttentionBackend(), TritonLayerOps()
+    model.use_triton_kernels()
+    step, caches = model.decode_step, engine.runner.kv_caches
+    step.bind_cache(caches)
+    weight = model.model.embed_tokens.weight
+    for rows in (1, 3):
+        ids = torch.arange(5, 5 + rows)
+        inputs = (torch.full((rows,), 1), torch.arange(rows) * 16 + 1, torch.arange(rows, dtype=torch.int32)[:, None],
+                  torch.full((rows,), 2, dtype=torch.int32))
+        bound = step(step.embed(ids, weight), *inputs, 2).clone()
+        assert (rows, 1) in step._programs
+        called = step(F.embedding(ids, weight), *inputs, 2)
+        assert torch.equal(bound, called) and bound.abs().max() > 0
+        program = step._programs[(rows, 1)]
+        fresh = tuple(t.clone() for t in inputs)
+        assert torch.equal(step(step.embed(ids, weight), *fresh, 2), bound)
+        assert step._programs[(rows, 1)] is not program  # bound to the new inputs
+    step.bind_cache(caches)
+    assert not step._programs  # a new cache: every launch rebound
 
 
 @contextmanager

@@ -18,9 +18,16 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # start of the decode window
         self.read_offset = 0  # tokens before this have been emitted as text
+        # Two decodes per token per request: transformers' decode() converts and checks its
+        # arguments in Python, ~2.5x the time of the Rust decode it calls (measured 6.4 against
+        # 2.4 us). A fast tokenizer that cleans up no spaces decodes the same text straight from
+        # its backend.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        direct = backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False
+        self._decode_ids = (backend if direct else tokenizer).decode
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""

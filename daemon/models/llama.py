@@ -48,6 +48,10 @@ class FusedDecodeStep(Protocol):
 
     def bound_to(self, kv_caches: list[KVCache]) -> bool: ...
 
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The embeddings of a pure decode step's tokens, where the step wants them."""
+        ...
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor: ...
 
@@ -193,17 +197,17 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Run a flat batch of ``T`` tokens; returns final hidden states ``[T, hidden_size]`` (in the
         model dtype; fp32 where the native decode step, once prepared, runs the one-token rows)."""
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        weight = self.model.embed_tokens.weight
         step = self.decode_step
         if step is not None and 1 in meta.query_lens:
             if not step.bound_to(kv_caches):
                 step.bind_cache(kv_caches)
             if meta.max_query_len == 1:
-                return step(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
-                            meta.max_seq_len)
+                return step(step.embed(input_ids, weight), positions, meta.slot_mapping, meta.block_tables,
+                            meta.seq_lens_tensor, meta.max_seq_len)
             if step.takes_mixed_steps:
-                return self._forward_mixed(x, positions, kv_caches, meta)
-        return self._forward_layers(x, positions, kv_caches, meta)
+                return self._forward_mixed(F.embedding(input_ids, weight), positions, kv_caches, meta)
+        return self._forward_layers(F.embedding(input_ids, weight), positions, kv_caches, meta)
 
     def _forward_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                         meta: AttentionMetadata) -> torch.Tensor:
