@@ -18,8 +18,8 @@ only the host side is measured), so a step takes the host's time only. Speculati
   copies     host-to-device copies of the step's inputs (DecodeInputs.fill: one per buffer on a
              GPU; none here, so counted from the buffers)
   reads      tensor reads to the host (.tolist/.item/.numpy/.cpu), each a sync on a GPU
-  host us    median wall time of engine.step() minus the LM head's matmul (on a GPU one launch,
-             here the only heavy torch operation): scheduling, inputs, Python between kernels,
+  host us    median wall time of engine.step() minus the LM head's matmul and the greedy argmax
+             (on a GPU a launch each, here the heavy CPU work): scheduling, inputs, Python between kernels,
              torch's dispatch, sampling, detokenising. It leaves out the launch itself (the CUDA
              driver, Triton's launcher): "est. us" adds --launch-us per launch for that. The
              lowest median of --repeat runs of --steps steps: these machines' noise only adds.
@@ -109,22 +109,28 @@ def counted_reads(counts: Counts):
 
 
 @contextmanager
-def timed_head(model, box: list[float]):
-    """Add the time of model.compute_logits (the LM head's matmul) to box[0]."""
-    original = model.compute_logits
+def timed_device_work(model, box: list[float]):
+    """Add the time of model.compute_logits (the LM head's matmul) and of the greedy sampler's
+    argmax to box[0]: on a GPU each is one launch (the argmax's result read back in the step's one
+    sync), here the heavy CPU work of a step whose kernels are not run."""
+    from llmd.daemon.engine import sampler
 
-    def timed(hidden):
-        start = time.perf_counter()
-        try:
-            return original(hidden)
-        finally:
-            box[0] += time.perf_counter() - start
+    def timed(fn):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                box[0] += time.perf_counter() - start
+        return run
 
-    model.compute_logits = timed
+    head, argmax = model.compute_logits, sampler.argmax_rows
+    model.compute_logits, sampler.argmax_rows = timed(head), timed(argmax)
     try:
         yield
     finally:
         del model.compute_logits  # the bound method again
+        sampler.argmax_rows = argmax
 
 
 def measure(llm, batch: int, steps: int, repeat: int) -> dict[str, float]:
@@ -146,7 +152,7 @@ def measure(llm, batch: int, steps: int, repeat: int) -> dict[str, float]:
             engine.step()
     medians = []
     box = [0.0]
-    with stubbed_triton(None), timed_head(model, box):
+    with stubbed_triton(None), timed_device_work(model, box):
         for _ in range(repeat):
             host = []
             for _ in range(steps):

@@ -14,10 +14,11 @@ Here each layer is four, the elementwise work riding in the matmuls' launches an
    whose partial sums are too many for one program to combine) it is two: gate/up with the norm
    in its prologue, then down with SiLU x up in its prologue and the residual add in its epilogue.
 
-The residual stream is the embeddings' tensor, updated in place by 3 and 4; the final norm is one
-more launch. Numerics are the layer-by-layer Triton path's, rounding for rounding (the fused
-kernels round as the separate kernels do; only fp32 summation orders differ), so a decode row's
-tokens do not depend on which path ran.
+The residual stream starts in the embeddings' tensor and is updated in place by 3; the one-launch
+MLP writes ``x + MLP(x)`` to a second tensor (its programs read x until the last one is done), and
+the two swap. The final norm is one more launch. Numerics are the layer-by-layer Triton path's,
+rounding for rounding (the fused kernels round as the separate kernels do; only fp32 summation
+orders differ), so a decode row's tokens do not depend on which path ran.
 
 The model builds a :class:`DecodeStep` once loaded (``LlamaForCausalLM.prepare_decode``) when every
 projection can take the fusions (the Triton INT4/INT8 matmuls, or dense weights through
@@ -59,24 +60,35 @@ def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None, *,
     return project
 
 
-# A layer's MLP with its norm and residual add: ``mlp(residual, gate_up_out)`` adds it into the
-# residual stream in place (``gate_up_out``: a ``[M, 2 x intermediate]`` buffer it may use).
-MLP = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+class TwoLaunchMLP:
+    """A layer's MLP as its two bound projections: ``gate_up`` with the post-attention norm,
+    ``down`` with SiLU x up, adding into the residual stream in place. The interface of
+    llmd.kernels.mlp_triton's :class:`FusedMLP` (which see): ``mlp(x, out, gate_up_out)``
+    returns the tensor holding ``x + MLP(x)``, here always x."""
+
+    def __init__(self, gate_up: Projection, down: Projection) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return self.down(self.gate_up(x, out=gate_up_out), x)
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor,
+             gate_up_out: torch.Tensor) -> tuple[Callable[[], object], torch.Tensor]:
+        """The two launches bound (see :meth:`FusedMLP.bind`)."""
+        gate_up, down = _bound(self.gate_up, x, out=gate_up_out), _bound(self.down, gate_up_out, x)
+        return lambda: (gate_up(), down()), x
 
 
-def bind_mlp(gate_up: Projection, down: Projection) -> MLP:
+def bind_mlp(gate_up: Projection, down: Projection) -> FusedMLP | TwoLaunchMLP:
     """The MLP from its two bound projections, ``gate_up`` with the post-attention norm and
     ``down`` with SiLU x up and the residual add: one launch where llmd.kernels.mlp_triton fuses
     them (INT4 weights), else the two."""
     if isinstance(gate_up, FusedMatmul) and isinstance(down, FusedMatmul):
         try:
             return FusedMLP(gate_up, down)
-        except ValueError:  # (INT8 weights, an odd intermediate size): the two launches below
+        except ValueError:  # (INT8 weights, an odd intermediate size): the two launches
             pass
-
-    def mlp(x: torch.Tensor, gate_up_out: torch.Tensor) -> torch.Tensor:
-        return down(gate_up(x, out=gate_up_out), x)
-    return mlp
+    return TwoLaunchMLP(gate_up, down)
 
 
 @dataclass(slots=True)
@@ -88,7 +100,7 @@ class LayerWeights:
     qkv: Projection
     attention: attention_triton.NewTokenDecode
     o: Projection
-    mlp: MLP
+    mlp: FusedMLP | TwoLaunchMLP
     gate_up_width: int  # gate/up's output features (2 x intermediate)
 
 
@@ -105,9 +117,10 @@ class DecodeStep:
     def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, eps: float) -> None:
         self.layers, self.final_norm, self.eps = layers, final_norm, eps
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # By row count, allocated once: the residual stream (the embeddings go there, :meth:`embed`),
-        # and the layers' qkv, attention and gate/up outputs, shared by every layer (each is consumed
-        # before the next layer writes it): no allocation per launch.
+        # By row count, allocated once: the residual stream (the embeddings go there, :meth:`embed`)
+        # and a second one (a one-launch MLP writes x + MLP(x) there, and the two swap), and the
+        # layers' qkv, attention and gate/up outputs, shared by every layer (each is consumed before
+        # the next layer writes it): no allocation per launch.
         self._buffers: dict[int, _Buffers] = {}
         # By (rows, splits): the launches of a step on those buffers and the step's inputs, each
         # bound once (its arguments checked and packed), run as they are while the inputs are the
@@ -120,7 +133,8 @@ class DecodeStep:
             first = self.layers[0]
             att = first.attention
             new = functools.partial(torch.empty, dtype=dtype, device=device)
-            held = self._buffers[rows] = _Buffers(new((rows, self.final_norm.shape[0])), new((rows, att.width)),
+            hidden = (rows, self.final_norm.shape[0])
+            held = self._buffers[rows] = _Buffers(new(hidden), new(hidden), new((rows, att.width)),
                                                   new((rows, att.num_heads, att.head_dim)),
                                                   new((rows, first.gate_up_width)))
         return held
@@ -150,9 +164,10 @@ class DecodeStep:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """Run the step: ``x [M, hidden]`` the new tokens' embeddings (overwritten: it becomes the
-        residual stream), ``positions``/``slots`` ``[M]``, ``block_tables [M, W]``, ``seq_lens [M]``
-        int32 (the new token included) and their maximum on the host (the attention's split count).
-        Returns the final norm's output ``[M, hidden]`` in x's dtype."""
+        residual stream, with the step's second buffer of M rows), ``positions``/``slots`` ``[M]``,
+        ``block_tables [M, W]``, ``seq_lens [M]`` int32 (the new token included) and their maximum
+        on the host (the attention's split count). Returns the final norm's output ``[M, hidden]``
+        in x's dtype."""
         rows = x.shape[0]
         held = self._buffers.get(rows)
         if held is not None and x is held.residual and self._caches:  # from embed(): the bound launches
@@ -163,30 +178,35 @@ class DecodeStep:
                                                                        splits)
             for launch in program.launches:
                 launch()
-            return norm_act_triton.add_rms_norm(x, None, self.final_norm, self.eps)[0]
-        residual = x
+            return norm_act_triton.add_rms_norm(program.result, None, self.final_norm, self.eps)[0]
         buffers = self._buffers_for(rows, x.dtype, x.device)
+        residual, spare = x, buffers.spare
         qkv_out, attn_out, gate_up_out = buffers.qkv, buffers.attention, buffers.gate_up
         attn_rows = attn_out.view(rows, -1)
         for layer, (k_cache, v_cache) in zip(self.layers, self._caches):
             qkv = layer.qkv(residual, out=qkv_out)
             layer.attention(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, max_seq_len, attn_out)
             layer.o(attn_rows, residual)
-            layer.mlp(residual, gate_up_out)
+            if layer.mlp(residual, spare, gate_up_out) is spare:
+                residual, spare = spare, residual
         return norm_act_triton.add_rms_norm(residual, None, self.final_norm, self.eps)[0]
 
     def _bind(self, held: _Buffers, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
               seq_lens: torch.Tensor, splits: int) -> _Program:
         """Every launch of a step on ``held`` and these inputs, in ``splits`` attention splits, bound."""
-        x, qkv, attn = held.residual, held.qkv, held.attention
+        x, spare, qkv, attn = held.residual, held.spare, held.qkv, held.attention
         attn_rows = attn.view(x.shape[0], -1)
         launches = []
         for layer, (k_cache, v_cache) in zip(self.layers, self._caches):
             launches += [_bound(layer.qkv, x, out=qkv),
                          layer.attention.bind(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, attn,
                                               splits),
-                         _bound(layer.o, attn_rows, x), _bound(layer.mlp, x, held.gate_up)]
-        return _Program((positions, slots, block_tables, seq_lens), launches)
+                         _bound(layer.o, attn_rows, x)]
+            mlp, result = layer.mlp.bind(x, spare, held.gate_up)
+            launches.append(mlp)
+            if result is spare:
+                x, spare = spare, x
+        return _Program((positions, slots, block_tables, seq_lens), launches, x)
 
 
 def _bound(call: Callable, *args, **kwargs) -> Callable[[], object]:
@@ -201,6 +221,7 @@ class _Buffers:
     """A step's tensors for one row count (see DecodeStep._buffers)."""
 
     residual: torch.Tensor
+    spare: torch.Tensor
     qkv: torch.Tensor
     attention: torch.Tensor
     gate_up: torch.Tensor
@@ -212,6 +233,7 @@ class _Program:
 
     inputs: tuple[torch.Tensor, ...]
     launches: list[Callable[[], object]]
+    result: torch.Tensor  # the residual buffer the last layer leaves its output in
 
     def takes(self, *inputs: torch.Tensor) -> bool:
         return all(a is b for a, b in zip(inputs, self.inputs))

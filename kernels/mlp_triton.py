@@ -7,18 +7,25 @@ program owns a slice of ``BLOCK_I`` intermediate features instead:
 1. it computes gate and up for its slice from the normed residual stream (each program reads the
    whole row for its ``1 / rms``, a few KB from L2, as the GEMVs' norm prologue does);
 2. ``SiLU(gate) * up`` for the slice, in registers;
-3. the slice's share of down, for every output column: down split over its K (the intermediate
-   features) by slice, the fp32 partial sums written to a workspace ``[P, BLOCK_M, hidden]``;
+3. the slice's share of down: down split over its K (the intermediate features) by slice, the
+   fp32 partial sums written to a workspace ``[P, BLOCK_M, hidden]``;
 4. the last program to arrive adds the ``P`` partials in program order (deterministic, as the
-   GEMVs' split-K) and the residual, in place into the residual stream, and resets its counter
-   (CUDA-graph safe).
+   GEMVs' split-K) and the residual, and resets its counter (CUDA-graph safe).
+
+So that the launch fills the GPU (a model has few slices: 48 in the default model), the output
+columns are also split among ``C`` groups of programs: program ``(p, c)`` computes slice ``p``'s
+gate and up (again for each ``c``, from L2) and its share of down for the columns of group ``c``,
+and the last of the ``P`` programs of group ``c`` combines that group's columns. The combine is
+then ``C`` programs side by side, each reading ``P x rows x hidden / C`` partials. Because
+programs of other groups may still be reading x when a group's combine finishes, the result goes
+to another tensor (``out = x + MLP(x)``), not into x in place.
 
 A layer is then four launches (qkv, attention, o, MLP), not five (issue 19: a small model's GPU
-decode step is bound by its launches). The price is step 4: one program reads ``P x rows x hidden``
-fp32 partials on its own. :func:`mlp_block_i` takes the smallest slice (the most programs) that keeps
-that read under ``COMBINE_MAX_BYTES`` and, for a model or batch where no slice does (a wide model
-at 16 rows), the step keeps its two GEMVs. The bound is a guess: what a serial combine costs
-against a launch saved can only be measured on a GPU (README "GPU status").
+decode step is bound by its launches). :func:`mlp_plan` picks the smallest slice (the most
+programs) whose combine reads at most ``COMBINE_MAX_BYTES`` per program; for a model or batch
+where none does (a wide model), the step keeps its two GEMVs. The bound is a guess: what the
+recomputed gate/up and the combine cost against a launch saved can only be measured on a GPU
+(README "GPU status").
 
 Rounding follows the two GEMVs step for step: gate and up rounded to the activations' dtype as the
 gate/up GEMV stores them, SiLU and the product rounded as the down GEMV's prologue rounds, the
@@ -43,26 +50,35 @@ import torch
 import triton
 import triton.language as tl
 
-from llmd.kernels.launch import arrival_counters, next_power_of_2, workspace
+from llmd.kernels.launch import arrival_counters, cdiv, next_power_of_2, workspace
 from llmd.kernels.quant_matmul_triton import (GEMV_DOT_BLOCK_M, GEMV_MAX_M, GEMV_NORM_BLOCK, FusedMatmul, _epilogue,
-                                              _gemv_rows, _x_values)
+                                              _gemv_rows, _x_values, programs_wanted)
 
 # Slices of intermediate features a program may own: multiples of 32 (16 packed bytes, one vector
-# load per row of down), smallest first (more programs, more of the GPU reading weights).
+# load per row of down), smallest first (more programs, more of the GPU reading weights). Wider
+# slices for one row only: with 2..16 rows on tensor cores they spill registers on sm_86/sm_90.
 BLOCK_IS = (32, 64, 128)
-# The partials the last program reads alone, at most (see the module's note; untuned).
+# The partials one combining program reads, at most (see the module's note; untuned).
 COMBINE_MAX_BYTES = 512 * 1024
 MAX_BLOCK_K = 128  # gate/up's K tile over the hidden features, at most
 
 
-def mlp_block_i(intermediate: int, hidden: int, rows: int) -> int | None:
-    """The slice width for a step of ``rows`` rows, or None when the MLP should stay two GEMVs.
-    Decided per power-of-two bucket of rows, as the warm-up and the CUDA graphs see them, so a
-    row count never launches a variant the warm-up did not compile."""
+def mlp_plan(intermediate: int, hidden: int, rows: int, programs_wanted: int) -> tuple[int, int] | None:
+    """``(BLOCK_I, C)`` for a step of ``rows`` rows: slices of ``BLOCK_I`` features, the output
+    columns in ``C`` groups (as many as bring the launch to ``programs_wanted``, at most one per
+    column tile); None when the MLP should stay two GEMVs. Decided per power-of-two bucket of rows,
+    as the warm-up and the CUDA graphs see them, so a row count never launches a variant the
+    warm-up did not compile."""
     bucket = next_power_of_2(rows)
-    for block_i in BLOCK_IS:
-        if intermediate % block_i == 0 and intermediate // block_i * bucket * hidden * 4 <= COMBINE_MAX_BYTES:
-            return block_i
+    for block_i in BLOCK_IS if bucket == 1 else BLOCK_IS[:1]:
+        if intermediate % block_i:
+            continue
+        programs = intermediate // block_i
+        block_n = _block_n(1 if bucket == 1 else GEMV_DOT_BLOCK_M, block_i)
+        n_tiles = cdiv(hidden, block_n)
+        groups = min(n_tiles, max(1, cdiv(programs_wanted, programs)))
+        if programs * bucket * cdiv(n_tiles, groups) * block_n * 4 <= COMBINE_MAX_BYTES:
+            return block_i, groups
     return None
 
 
@@ -111,9 +127,9 @@ def _silu_mul(gate, up, x_dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes step by step
 def _int4_mlp_kernel(x_ptr, gu_packed_ptr, gu_scales_ptr, gu_mins_ptr, d_packed_ptr, d_scales_ptr, d_mins_ptr,
-                     norm_w_ptr, part_ptr, count_ptr, M, H, I, eps, stride_xm, stride_gw, stride_gs, stride_dw,
-                     stride_ds, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-                     NG: tl.constexpr, GH: tl.constexpr, DNG: tl.constexpr, DGH: tl.constexpr,
+                     norm_w_ptr, out_ptr, part_ptr, count_ptr, M, H, I, eps, stride_xm, stride_om, stride_gw,
+                     stride_gs, stride_dw, stride_ds, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_I: tl.constexpr, NG: tl.constexpr, GH: tl.constexpr, DNG: tl.constexpr, DGH: tl.constexpr,
                      BLOCK_N: tl.constexpr, NORM_BLOCK: tl.constexpr):
     # gate/up: [2I, H] (gate's I rows, then up's), its K tiles NG groups x GH bytes as the INT4
     # GEMV's; down: [H, I], the slice one K tile of DNG groups x DGH bytes (DNG * DGH = BLOCK_I / 2).
@@ -122,6 +138,10 @@ def _int4_mlp_kernel(x_ptr, gu_packed_ptr, gu_scales_ptr, gu_mins_ptr, d_packed_
     IH: tl.constexpr = BLOCK_I // 2
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    group_c = tl.program_id(1)  # this program's group of output columns: tiles n_lo .. n_hi - 1
+    n_tiles = tl.cdiv(H, BLOCK_N)
+    n_lo = group_c * n_tiles // tl.num_programs(1)
+    n_hi = (group_c + 1) * n_tiles // tl.num_programs(1)
     j0 = pid * BLOCK_I
     gate_e = j0 + 2 * tl.arange(0, IH)  # the slice's even features' gate rows; +1: the odd ones
     all_rows = gate_e < 2 * I  # (I is a multiple of BLOCK_I: no row is out of range)
@@ -181,10 +201,10 @@ def _int4_mlp_kernel(x_ptr, gu_packed_ptr, gu_scales_ptr, gu_mins_ptr, d_packed_
     else:
         act_e = _silu_mul(acc_ge, acc_ue, x_dtype)
         act_o = _silu_mul(acc_go, acc_uo, x_dtype)
-    # The slice's share of down for every output column, to this program's part of the workspace.
+    # The slice's share of down for the group's columns, to this program's part of the workspace.
     part = part_ptr + pid * BLOCK_M * H + rows[:, None] * H
-    for n0 in range(0, H, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+    for tile in range(n_lo, n_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
         lo, hi = _int4_rows(d_packed_ptr, d_scales_ptr, d_mins_ptr, offs_n, mask_n, stride_dw, stride_ds, j0,
                             GROUP_SIZE, DNG, DGH, x_dtype)
@@ -194,10 +214,10 @@ def _int4_mlp_kernel(x_ptr, gu_packed_ptr, gu_scales_ptr, gu_mins_ptr, d_packed_
             acc = _dot_tile(act_e, act_o, lo, hi, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_N, IH)
         tl.store(part + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
     tl.debug_barrier()  # every thread's partial sums are written before the arrival is counted
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if arrived == programs - 1:  # the last: every program has read x, which is now overwritten
-        for n0 in range(0, H, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
+    arrived = tl.atomic_add(count_ptr + group_c, 1, sem="acq_rel")
+    if arrived == programs - 1:  # the group's last: out = x + the sum of the slices, in slice order
+        for tile in range(n_lo, n_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < H
             mask = mask_m[:, None] & mask_n[None, :]
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -205,34 +225,35 @@ def _int4_mlp_kernel(x_ptr, gu_packed_ptr, gu_scales_ptr, gu_mins_ptr, d_packed_
                 # .cg: from L2, where the other programs' stores are, never a stale L1 line
                 total += tl.load(part_ptr + s * BLOCK_M * H + rows[:, None] * H + offs_n[None, :], mask=mask,
                                  other=0.0, cache_modifier=".cg")
-            _epilogue(total, x_ptr, x_ptr, x_ptr, rows, mask_m, offs_n, mask_n, stride_xm, stride_xm, False, True)
-        tl.atomic_xchg(count_ptr, 0)
+            _epilogue(total, out_ptr, x_ptr, x_ptr, rows, mask_m, offs_n, mask_n, stride_om, stride_xm, False, True)
+        tl.atomic_xchg(count_ptr + group_c, 0)
+
+
+def _block_n(block_m: int, block_i: int) -> int:
+    """Output columns per down tile (see :func:`_tiles`)."""
+    return max(16, min(64, 1024 // (block_i // 2))) if block_m == 1 else 32
 
 
 def _tiles(block_m: int, block_i: int, hidden: int, group_size: int) -> dict:
-    """Tile sizes and warps of a launch, picked so that no variant spills registers on sm_75 to
-    sm_90 (tests/test_mlp_triton.py compiles the default model's). One row: gate/up tiles of at
-    most 512 weights per row set, down tiles of 1,024, four warps. 2..16 rows (tensor cores): K
-    tiles of 32; 32 features in down tiles of 32 columns and four warps (eight split a row's 16
-    bytes into single-byte loads), wider slices in tiles of 16 columns and eight warps (four spill
-    on sm_90 at 64 features, as a K tile of 64 does on sm_90 and sm_75)."""
-    half = block_i // 2
-    if block_m == 1:
-        block_k, block_n, warps = 2 * max(16, min(MAX_BLOCK_K // 2, 512 // half)), max(16, min(64, 1024 // half)), 4
-    else:
-        block_k, block_n, warps = (32, 32, 4) if block_i == 32 else (32, 16, 8)
+    """Tile sizes and warps of a launch, four warps, picked so that no variant spills registers on
+    sm_75 to sm_90 (tests/test_mlp_triton.py compiles them all). One row: gate/up tiles of at most
+    512 weights per row set, down tiles of 1,024. 2..16 rows (tensor cores, slices of 32): K tiles
+    of 32 and down tiles of 32 columns (a K tile of 64 spills on sm_90 and sm_75; eight warps split
+    a row's 16 bytes into single-byte loads)."""
+    block_k = 2 * max(16, min(MAX_BLOCK_K // 2, 512 // (block_i // 2))) if block_m == 1 else 32
     while hidden % block_k:  # H is a multiple of the group size (>= 32): 32 always divides it
         block_k //= 2
     ng = max(1, block_k // group_size)  # groups per K tile (a tile smaller than a group lies in one)
-    return dict(NG=ng, GH=block_k // ng // 2, BLOCK_N=block_n, num_warps=warps)
+    return dict(NG=ng, GH=block_k // ng // 2, BLOCK_N=_block_n(block_m, block_i), num_warps=4)
 
 
 class FusedMLP:
     """A decode step's MLP from its two bound GEMVs (llmd.kernels.quant_matmul_triton's
     :class:`FusedMatmul`): ``gate_up`` with the post-attention norm's prologue, ``down`` with SiLU x
-    up's and the residual add. ``mlp(residual, gate_up_out)`` adds the MLP of ``residual [M,
-    hidden]`` (contiguous) into it in place: one launch where :func:`mlp_block_i` takes the row
-    count, else the two GEMVs (``gate_up_out``: their ``[M, 2 x intermediate]`` buffer).
+    up's and the residual add. ``mlp(x, out, gate_up_out)`` computes ``x + MLP(x)`` for the
+    residual stream ``x [M, hidden]`` (contiguous) and returns the tensor that holds it: ``out``
+    (of x's shape and dtype) where :func:`mlp_plan` takes the row count, one launch; else x,
+    updated in place by the two GEMVs (``gate_up_out``: their ``[M, 2 x intermediate]`` buffer).
 
     Raises ValueError for projections it cannot fuse (say why; the caller keeps the two)."""
 
@@ -254,14 +275,17 @@ class FusedMLP:
         self._plans: dict[int, tuple | None] = {}
 
     def _plan(self, rows: int) -> tuple | None:
+        """``(launch, weights, scratch, sizes, kwargs)`` of a launch of ``rows`` rows (by their
+        bucket), or None: the two GEMVs."""
         bucket = next_power_of_2(rows)
         if bucket in self._plans:
             return self._plans[bucket]
-        block_i = mlp_block_i(self.intermediate, self.hidden, rows)
+        gu, d = self.gate_up.weight, self.down.weight
+        device = gu.tensors[0].device
+        shape = mlp_plan(self.intermediate, self.hidden, rows, programs_wanted(device))
         plan = None
-        if block_i is not None:
-            gu = self.gate_up.weight
-            device = gu.tensors[0].device
+        if shape is not None:
+            block_i, groups = shape
             block_m = 1 if bucket == 1 else GEMV_DOT_BLOCK_M
             programs = self.intermediate // block_i
             dng = max(1, block_i // gu.group_size)
@@ -270,35 +294,37 @@ class FusedMLP:
             kwargs = dict(_tiles(block_m, block_i, self.hidden, gu.group_size), GROUP_SIZE=gu.group_size,
                           BLOCK_M=block_m, BLOCK_I=block_i, DNG=dng, DGH=block_i // dng // 2,
                           NORM_BLOCK=GEMV_NORM_BLOCK)
-            d = self.down.weight
             norm_w, eps = self.gate_up.norm
-            # Everything but x and the row count, fixed: x is contiguous, its row stride is H.
-            plan = (_int4_mlp_kernel[(programs,)], (*gu.tensors, *d.tensors, norm_w, part, arrival_counters(device, 1)),
-                    (self.hidden, self.intermediate, eps, self.hidden, gu.tensors[0].stride(0),
+            # Everything but x, out and the row count, fixed: x and out are contiguous (row stride H).
+            plan = (_int4_mlp_kernel[(programs, groups)], (*gu.tensors, *d.tensors, norm_w),
+                    (part, arrival_counters(device, groups)),
+                    (self.hidden, self.intermediate, eps, self.hidden, self.hidden, gu.tensors[0].stride(0),
                      gu.tensors[1].stride(0), d.tensors[0].stride(0), d.tensors[1].stride(0)), kwargs)
         self._plans[bucket] = plan
         return plan
 
-    def __call__(self, x: torch.Tensor, gate_up_out: torch.Tensor) -> torch.Tensor:
-        shape, plan = x.shape, None
-        # (dtypes are singletons: `is` is their equality)
-        if (len(shape) == 2 and 0 < shape[0] <= GEMV_MAX_M and shape[1] == self.hidden and x.dtype is self.down.dtype
-                and x.is_contiguous()):
-            plan = self._plans.get(next_power_of_2(shape[0]), False)
-            if plan is False:
-                plan = self._plan(shape[0])
-        if plan is None:  # the two GEMVs (which check x)
-            return self.down(self.gate_up(x, out=gate_up_out), x)
-        launch, weights, sizes, kwargs = plan
-        launch(x, *weights, shape[0], *sizes, **kwargs)
-        return x
-
-    def bind(self, x: torch.Tensor, gate_up_out: torch.Tensor) -> Callable[[], object]:
-        """This call with its tensors fixed, checked now: a function of nothing that launches it
-        on whatever they hold then (the decode step's persistent buffers)."""
+    def _takes(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether x and out go to the one launch (else the two GEMVs, which check x)."""
         shape = x.shape
-        if not (len(shape) == 2 and 0 < shape[0] <= GEMV_MAX_M and shape[1] == self.hidden
-                and x.dtype is self.down.dtype and x.is_contiguous()) or self._plan(shape[0]) is None:
-            return functools.partial(self, x, gate_up_out)
-        launch, weights, sizes, kwargs = self._plan(shape[0])
-        return functools.partial(launch, x, *weights, shape[0], *sizes, **kwargs)
+        # (dtypes are singletons: `is` is their equality)
+        return (len(shape) == 2 and 0 < shape[0] <= GEMV_MAX_M and shape[1] == self.hidden
+                and x.dtype is self.down.dtype and x.is_contiguous() and out.shape == shape
+                and out.dtype is x.dtype and out.is_contiguous() and out.data_ptr() != x.data_ptr()
+                and self._plan(shape[0]) is not None)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, gate_up_out: torch.Tensor) -> torch.Tensor:
+        if not self._takes(x, out):
+            return self.down(self.gate_up(x, out=gate_up_out), x)
+        launch, weights, scratch, sizes, kwargs = self._plan(x.shape[0])
+        launch(x, *weights, out, *scratch, x.shape[0], *sizes, **kwargs)
+        return out
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor,
+             gate_up_out: torch.Tensor) -> tuple[Callable[[], object], torch.Tensor]:
+        """This call with its tensors fixed, checked now: a function of nothing that launches it
+        on whatever they hold then (the decode step's persistent buffers), and the tensor its
+        result will be in."""
+        if not self._takes(x, out):
+            return functools.partial(self, x, out, gate_up_out), x
+        launch, weights, scratch, sizes, kwargs = self._plan(x.shape[0])
+        return functools.partial(launch, x, *weights, out, *scratch, x.shape[0], *sizes, **kwargs), out

@@ -102,7 +102,8 @@ def _dense_matmul(x: torch.Tensor, rows: int, dequantize) -> torch.Tensor:
 _sm_counts: dict[int, int] = {}
 
 
-def _programs_wanted(device: torch.device) -> int:
+def programs_wanted(device: torch.device) -> int:
+    """Programs a launch aims for on ``device``: GEMV_PROGRAMS_PER_SM per SM."""
     if device.type != "cuda":
         return GEMV_PROGRAMS_PER_SM * DEFAULT_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -114,7 +115,7 @@ def _programs_wanted(device: torch.device) -> int:
 def _gemv_split(n_blocks: int, k_iters: int, device: torch.device) -> int:
     """K splits for a GEMV of ``n_blocks`` column blocks and ``k_iters`` K tiles: as many as the
     column blocks need to reach :func:`_programs_wanted` programs, at most one per K tile."""
-    return min(k_iters, max(1, cdiv(_programs_wanted(device), n_blocks)))
+    return min(k_iters, max(1, cdiv(programs_wanted(device), n_blocks)))
 
 
 @functools.lru_cache(maxsize=256)  # a model has a handful of shapes; a step asks ~120 times
@@ -122,7 +123,7 @@ def gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int]:
     """``(BLOCK_K, split)`` of the INT4 GEMV for an ``[n, k]`` weight: the largest K tile (<=
     GEMV_MAX_BLOCK_K, dividing K) that still leaves enough tiles to fill the GPU, then as many
     K splits as :func:`_gemv_split` gives."""
-    programs = _programs_wanted(device)
+    programs = programs_wanted(device)
     n_blocks = cdiv(n, GEMV_BLOCK_N)
     block_k = GEMV_MAX_BLOCK_K
     while k % block_k:

@@ -32,7 +32,7 @@ def mlp_weights(hidden: int, intermediate: int, group_size: int, dtype: torch.dt
     g = torch.Generator().manual_seed(seed)
     gate_up = quantize_int4(weight(2 * intermediate, hidden, group_size, g) * 0.1, group_size)
     down = quantize_int4(weight(hidden, intermediate, group_size, g) * 0.1, group_size)
-    norm_w = (1 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
+    norm_w = (2 * torch.randn(hidden, generator=g)).to(dtype)  # far from ones: the canary below
     return gate_up, down, norm_w, g
 
 
@@ -53,8 +53,8 @@ def torch_mlp(x: torch.Tensor, gate_up, down, norm_w: torch.Tensor) -> torch.Ten
 # (rows, hidden, intermediate, group size, dtype): one row (fp32 FMAs) and 2..16 (tensor cores),
 # K tiles of one group and of several, slices of one group and of several; bf16 only for one row
 # (the interpreter cannot run bf16 tl.dot, triton#11584).
-CASES = [(1, 96, 128, 32, torch.float32), (1, 256, 192, 64, torch.float32), (1, 96, 128, 32, torch.bfloat16),
-         (3, 96, 128, 32, torch.float32), (5, 128, 256, 128, torch.float16), (16, 64, 128, 32, torch.float16)]
+CASES = [(1, 128, 128, 32, torch.float32), (1, 128, 192, 64, torch.float32), (1, 96, 128, 32, torch.bfloat16),
+         (3, 96, 128, 32, torch.float32), (5, 128, 128, 128, torch.float16), (16, 64, 128, 32, torch.float16)]
 
 
 @pytest.mark.parametrize(("m", "hidden", "intermediate", "group_size", "dtype"), CASES, ids=dtype_id)
@@ -64,53 +64,67 @@ def test_one_launch_mlp_matches_the_two_gemvs_and_torch(m: int, hidden: int, int
     gu, d = bound(gate_up, down, norm_w, dtype)
     mlp = mlp_triton.FusedMLP(gu, d)
     assert mlp._plan(m) is not None, "the case must take the one launch"
-    x = (torch.randn(m, hidden, generator=g) * 30).to(dtype)  # a residual stream as large as the MLP adds
+    x = (torch.randn(m, hidden, generator=g) * 100).to(dtype)  # a residual stream as large as the MLP adds
     two = x.clone()
     d(gu(two), two)
-    got = x.clone()
-    assert mlp(got, torch.empty(m, 2 * intermediate, dtype=dtype)) is got  # in place, the residual stream
+    got = torch.empty_like(x)
+    assert mlp(x, got, torch.empty(m, 2 * intermediate, dtype=dtype)) is got
     added = (two.float() - x.float()).abs().max()
     assert (got.float() - two.float()).abs().max() / added < AGAINST_GEMVS[dtype]
     want = torch_mlp(x, gate_up, down, norm_w)
     assert (got.float() - want).abs().max() / (want - x.float()).abs().max() < AGAINST_TORCH[dtype]
-    # Canaries: without the residual, or without the norm, the result is far off.
+    # Canaries: without the residual, or without the norm's weight, the result is far off.
     assert (got.float() - (want - x.float())).abs().max() / added > CANARY
-    no_norm = x.clone()
-    mlp_triton.FusedMLP(*bound(gate_up, down, torch.ones_like(norm_w), dtype))(no_norm, torch.empty(0))
+    no_norm = torch.empty_like(x)
+    mlp_triton.FusedMLP(*bound(gate_up, down, torch.ones_like(norm_w), dtype))(x, no_norm, torch.empty(0))
     assert rel_err(no_norm - x, want - x.float()) > CANARY
 
 
-def test_one_launch_mlp_is_deterministic_and_resets_its_counter() -> None:
-    """The last program to arrive adds the partials in program order: two launches agree bit for
-    bit, and its arrival counter is zero after each (the next launch, or a CUDA graph's replay,
-    counts from zero)."""
-    gate_up, down, norm_w, g = mlp_weights(64, 256, 32, torch.float32, seed=9)
+def test_one_launch_mlp_is_deterministic_and_resets_its_counters() -> None:
+    """The last program of each group of columns to arrive adds the partials in slice order: two
+    launches agree bit for bit, and the groups' arrival counters are zero after each (the next
+    launch, or a CUDA graph's replay, counts from zero). x itself is only read."""
+    gate_up, down, norm_w, g = mlp_weights(96, 128, 32, torch.float32, seed=9)
     mlp = mlp_triton.FusedMLP(*bound(gate_up, down, norm_w, torch.float32))
-    x = torch.randn(2, 64, generator=g)
-    first, second = x.clone(), x.clone()
-    mlp(first, torch.empty(0))
-    assert arrival_counters(x.device, 1)[0].item() == 0
-    mlp(second, torch.empty(0))
-    assert torch.equal(first, second) and not torch.equal(first, x)
+    x = torch.randn(2, 96, generator=g)
+    kept = x.clone()
+    first, second = torch.empty_like(x), torch.empty_like(x)
+    mlp(x, first, torch.empty(0))
+    groups = mlp_triton.mlp_plan(128, 96, 2, 264)[1]
+    assert groups > 1 and not arrival_counters(x.device, groups)[:groups].any()
+    mlp(x, second, torch.empty(0))
+    assert torch.equal(first, second) and torch.equal(x, kept) and not torch.equal(first, x)
 
 
-def test_rows_past_the_combine_bound_take_the_two_gemvs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where one program would combine too many partials, the MLP is the two GEMVs, bit for bit,
-    through the buffer the step gives it; the slice widens first, by buckets of rows."""
-    assert mlp_triton.mlp_block_i(1536, 576, 1) == 32  # the default model: 48 programs for one row
-    assert mlp_triton.mlp_block_i(1536, 576, 9) == mlp_triton.mlp_block_i(1536, 576, 16) == 128
-    assert mlp_triton.mlp_block_i(14336, 4096, 16) is None  # an 8B model's batch of 16: two GEMVs
-    assert mlp_triton.mlp_block_i(100, 576, 1) is None  # no slice divides it
+def test_the_plan_fills_the_gpu_and_bounds_the_combine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's MLP: 48 slices of 32 features in 6 groups of columns, 288 programs (at
+    least 2 per SM of a 132-SM GPU, as the GEMVs), at every batch size; a wide model's stays two
+    GEMVs; where the partials would be too many for a combining program, the columns split into
+    more groups, one row's slices widen, and beyond that the MLP is two GEMVs, bit for bit, in
+    place, through the buffer the step gives it."""
+    for rows in (1, 16):
+        block_i, groups = mlp_triton.mlp_plan(1536, 576, rows, 2 * 132)
+        assert block_i == 32 and 1536 // block_i * groups >= 2 * 132
+    assert mlp_triton.mlp_plan(14336, 4096, 1, 264) is None  # an 8B model: two GEMVs
+    assert mlp_triton.mlp_plan(100, 576, 1, 264) is None  # no slice divides it
     gate_up, down, norm_w, g = mlp_weights(64, 128, 32, torch.float32, seed=4)
     gu, d = bound(gate_up, down, norm_w, torch.float32)
-    # Under 1 KB: one row's partials of 128 / 64 features fit (2 x 64 x 4 bytes), two rows' only as one slice.
+    # 1 KB of partials per combining program: one row's of 4 slices (4 x 64 columns x 4 bytes)
+    # fit; two rows' only in two column groups; under 1 KB, one row's in wider slices.
+    monkeypatch.setattr(mlp_triton, "COMBINE_MAX_BYTES", 1024)
+    assert mlp_triton.mlp_plan(128, 64, 1, 1) == (32, 1)
+    assert mlp_triton.mlp_plan(128, 64, 2, 1) is None and mlp_triton.mlp_plan(128, 64, 2, 264) == (32, 2)
     monkeypatch.setattr(mlp_triton, "COMBINE_MAX_BYTES", 1023)
+    assert mlp_triton.mlp_plan(128, 64, 1, 1) == (64, 1)
+    monkeypatch.setattr(mlp_triton, "COMBINE_MAX_BYTES", 1024)
+    monkeypatch.setattr(mlp_triton, "programs_wanted", lambda device: 1)
     mlp = mlp_triton.FusedMLP(gu, d)
-    assert mlp._plan(1)[3]["BLOCK_I"] == 64 and mlp._plan(2)[3]["BLOCK_I"] == 128 and mlp._plan(3) is None
+    assert mlp._plan(3) is None
     x = torch.randn(3, 64, generator=g)
-    two, got, buffer = x.clone(), x.clone(), torch.empty(3, 256)
+    two, buffer = x.clone(), torch.empty(3, 256)
     d(gu(two), two)
-    mlp(got, buffer)
+    got = x.clone()
+    assert mlp(got, torch.empty_like(x), buffer) is got  # the two GEMVs, in place
     assert torch.equal(got, two) and torch.equal(buffer, gu(x))
 
 
@@ -131,33 +145,34 @@ def test_what_cannot_be_one_launch_stays_two() -> None:
     x = torch.randn(1, 64, generator=g)
     two, got = x.clone(), x.clone()
     d(gu8(two), two)
-    bind_mlp(gu8, d)(got, torch.empty(1, 256))  # the two launches, through the step's buffer
+    assert bind_mlp(gu8, d)(got, torch.empty_like(x), torch.empty(1, 256)) is got  # the two launches, in place
     assert torch.equal(got, two) and rel_err(got, x) > CANARY
 
 
 # The kernel compiled for every GPU generation (see gpu_compile.py) with the alignment the runtime
-# sees, in the variants the default model launches (one row: 32 features; 2-4 rows: 32; 5-8: 64;
-# 9-16: 128; group size 32), its tiles as FusedMLP picks them: fp16 everywhere, bf16 from sm_80,
-# fp32 on sm_80.
+# sees, in its four variants (one row of 32, 64 or 128 features; 2..16 rows of 32; the default
+# model launches the 32s), its tiles as FusedMLP picks them, group size 32: fp16 everywhere, bf16
+# from sm_80, fp32 on sm_80.
 COMPILE_FOR_GPU = """
 import llmd.kernels.mlp_triton as m
 
 sig = {"gu_packed_ptr": "*u8", "gu_scales_ptr": "*fp16", "gu_mins_ptr": "*fp16", "d_packed_ptr": "*u8",
        "d_scales_ptr": "*fp16", "d_mins_ptr": "*fp16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
-       "H": "i32", "I": "i32", "eps": "fp32", "stride_xm": "i32", "stride_gw": "i32", "stride_gs": "i32",
+       "H": "i32", "I": "i32", "eps": "fp32", "stride_xm": "i32", "stride_om": "i32", "stride_gw": "i32",
+       "stride_gs": "i32",
        "stride_dw": "i32", "stride_ds": "i32"}
 aligned = [name for name in sig if name.endswith("_ptr") or name.startswith("stride_") or name in ("H", "I")]
-aligned += ["x_ptr", "norm_w_ptr"]
+aligned += ["x_ptr", "norm_w_ptr", "out_ptr"]
 reports = []
 for arch in ARCHS:
     for x in ["fp16"] + (["bf16"] if arch >= 80 else []) + (["fp32"] if arch == 80 else []):
-        for block_m, block_i in ((1, 32), (16, 32), (16, 64), (16, 128)):
+        for block_m, block_i in ((1, 32), (1, 64), (1, 128), (16, 32)):
             constexprs = m._tiles(block_m, block_i, 576, 32)
             warps = constexprs.pop("num_warps")
             constexprs.update(BLOCK_M=block_m, BLOCK_I=block_i, DNG=block_i // 32, DGH=16, GROUP_SIZE=32,
                               NORM_BLOCK=256)
-            kernel = compile_for(m._int4_mlp_kernel, dict(sig, x_ptr=f"*{x}", norm_w_ptr=f"*{x}"), constexprs, arch,
-                                 aligned, num_warps=warps)
+            kernel = compile_for(m._int4_mlp_kernel, dict(sig, x_ptr=f"*{x}", norm_w_ptr=f"*{x}", out_ptr=f"*{x}"),
+                                 constexprs, arch, aligned, num_warps=warps)
             r = ptxas_report(kernel)
             print(block_m, "rows", block_i, "features", x, r)
             reports.append((block_m, block_i, x, r))
