@@ -1,6 +1,6 @@
 """Decode steps replayed as CUDA graphs, one per batch-size bucket (``--cuda-graphs``).
 
-A decode step of the default model launches 150-odd small kernels (llmd.kernels.decode_triton);
+A decode step of the default model launches 125 small kernels (llmd.kernels.decode_triton);
 replaying a captured graph launches them in one call, so the step runs at the GPU's speed instead
 of the host's. What
 makes a step capturable: its inputs live in persistent buffers (daemon/engine/decode_inputs.py),
