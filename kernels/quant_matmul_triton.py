@@ -114,7 +114,7 @@ def programs_wanted(device: torch.device) -> int:
 
 def _gemv_split(n_blocks: int, k_iters: int, device: torch.device) -> int:
     """K splits for a GEMV of ``n_blocks`` column blocks and ``k_iters`` K tiles: as many as the
-    column blocks need to reach :func:`_programs_wanted` programs, at most one per K tile."""
+    column blocks need to reach :func:`programs_wanted` programs, at most one per K tile."""
     return min(k_iters, max(1, cdiv(programs_wanted(device), n_blocks)))
 
 

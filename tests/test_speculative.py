@@ -112,12 +112,49 @@ def test_stops_inside_accepted_drafts_are_exact(model_dir) -> None:
         assert engine.kv.pool.num_free_blocks == engine.num_blocks
 
 
-def test_penalised_rows_and_log_probabilities_do_not_speculate(model_dir) -> None:
+def test_penalised_rows_and_prompt_log_probabilities_do_not_speculate(model_dir) -> None:
     engine = make_engine(model_dir, speculative="ngram")
     run_engine(engine, [(0, "p", repetitive(1), SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20)),
                         (0, "q", repetitive(2), SamplingParams(temperature=0.8, presence_penalty=0.5, max_tokens=20)),
-                        (0, "l", repetitive(3), SamplingParams(temperature=0, logprobs=2, max_tokens=20))])
+                        (0, "l", repetitive(3), SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=20))])
     assert engine.num_draft_tokens == 0
+
+
+def _tokens_and_logprobs(engine, params: SamplingParams) -> tuple[dict, dict]:
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list] = {}
+    for _, rid, prompt, p in requests(params, n=4):
+        engine.add_request(rid, prompt, p)
+        tokens[rid], logprobs[rid] = [], []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+            logprobs[delta.request_id] += delta.logprobs
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_log_probabilities_of_accepted_drafts_are_those_of_one_token_at_a_time(model_dir, stop: bool) -> None:
+    """A request that asks for log-probabilities speculates, and each token it emits, accepted
+    drafts included, carries the log-probability and top-n it would one token at a time (its
+    position's raw logits), also when a stop token lands among them."""
+    params = SamplingParams(temperature=0, logprobs=3, max_tokens=30, ignore_eos=True)
+    if stop:
+        first = _tokens_and_logprobs(make_engine(model_dir, speculative="off"), params)[0]
+        params = SamplingParams(temperature=0, logprobs=3, max_tokens=30, ignore_eos=True,
+                                stop_token_ids=[first["r1"][12]])
+    off_tokens, off_logprobs = _tokens_and_logprobs(make_engine(model_dir, speculative="off"), params)
+    engine = make_engine(model_dir, speculative="ngram")
+    on_tokens, on_logprobs = _tokens_and_logprobs(engine, params)
+    assert engine.num_accepted_tokens > 0  # drafts were accepted, several tokens in a step
+    assert on_tokens == off_tokens
+    for rid, tokens in on_tokens.items():
+        assert len(on_logprobs[rid]) == len(tokens) == len(off_logprobs[rid])
+        for (chosen, top), (want, want_top), token in zip(on_logprobs[rid], off_logprobs[rid], tokens):
+            assert chosen == pytest.approx(want, abs=1e-4) and chosen <= 0
+            assert [t for t, _ in top] == [t for t, _ in want_top] and top[0][0] == token  # greedy: its argmax
+            assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-4)
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
 
 
 def test_sampled_rows_speculate_and_a_seed_repeats_itself(model_dir) -> None:

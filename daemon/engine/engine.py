@@ -34,9 +34,10 @@ KV_CACHE_DTYPE_CHOICES = OPTIONS["kv_cache_dtype"].choices
 
 
 def _speculates(params: SamplingParams) -> bool:
-    """Whether a request's drafts can be verified here: greedy or sampled (rejection sampling), without
-    penalties (each draft would change the next position's) or log-probabilities (not kept for drafts)."""
-    return (params.logprobs is None and params.prompt_logprobs is None
+    """Whether a request's drafts can be verified here: greedy or sampled (rejection sampling), with
+    log-probabilities or without, but without penalties (each draft would change the next
+    position's) or prompt log-probabilities (such a request computes its whole prompt anyway)."""
+    return (params.prompt_logprobs is None
             and params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty)
 
 
@@ -334,11 +335,16 @@ class LLMEngine:
         for row, (seq, token) in enumerate(zip(batch.seqs, sampled)):
             if token is None:
                 continue
-            lp = next(logprobs) if row not in out.verified else None
+            if row in out.verified:  # each emitted token's, from the verification (none unless asked)
+                lps = out.verified_logprobs.get(row, [])
+            else:
+                lp = next(logprobs)
+                lps = [] if lp is None else [lp]
             req = self.requests.get(seq.request_id)
             if req is None:  # aborted during the step
                 continue
-            deltas.append(self._emit(req, [*accepted.get(row, []), token], lp))
+            tokens = [*accepted.get(row, []), token]
+            deltas.append(self._emit(req, tokens, lps[:len(tokens)]))
         return deltas
 
     def _draft(self) -> None:
@@ -385,10 +391,11 @@ class LLMEngine:
             sampled[row] = choices[n]
         return accepted
 
-    def _emit(self, req: _Request, tokens: list[int], lp: Logprob | None) -> RequestDelta:
+    def _emit(self, req: _Request, tokens: list[int], logprobs: list[Logprob]) -> RequestDelta:
         """The delta of a sequence's new tokens (more than one when drafts were accepted; all in its
-        token ids already), and its end if one of them ends it (:meth:`_check_stop`; the tokens
-        after the one that ends it are dropped)."""
+        token ids already) with their log-probabilities if asked (one per token), and its end if
+        one of them ends it (:meth:`_check_stop`; the tokens after the one that ends it are
+        dropped, with theirs)."""
         seq = req.seq
         pieces: list[str] = []
         reason = None
@@ -400,10 +407,10 @@ class LLMEngine:
                 if extra > 0:
                     del seq.token_ids[len(seq.token_ids) - extra:]
                     del seq.timings.token_times[len(seq.timings.token_times) - extra:]
-                tokens = tokens[:i + 1]
+                tokens, logprobs = tokens[:i + 1], logprobs[:i + 1]
                 self.scheduler.finish(seq, reason)
                 break
-        delta = RequestDelta(seq.request_id, "".join(pieces), tokens, logprobs=[lp] if lp is not None else [])
+        delta = RequestDelta(seq.request_id, "".join(pieces), tokens, logprobs=logprobs)
         if seq.is_finished:
             delta.finished = True
             delta.finish_reason = seq.finish_reason.value

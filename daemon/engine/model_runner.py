@@ -82,12 +82,15 @@ class StepOutput:
     unfinished), the sampler's result for the sampled rows, for sequences that asked for
     prompt log-probabilities ``{batch row: (position of the first token scored, [Logprob, ...])}``,
     and for rows with draft tokens the model's greedy choices to verify them by
-    ``{batch row: [token after the last one, after each draft...]}`` (their ``sampled`` is None)."""
+    ``{batch row: [token after the last one, after each draft...]}`` (their ``sampled`` is None),
+    with, for those that asked for log-probabilities, each choice's ``{batch row: [Logprob, ...]}``
+    (from the raw logits at its position, as a sampled row's)."""
 
     sampled: list[int | None]
     result: SampleResult | None
     prompt_logprobs: dict[int, tuple[int, list[Logprob]]]
     verified: dict[int, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[int, list[Logprob]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -265,9 +268,9 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_caches, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         prompt_logprobs = self._prompt_logprobs(hidden, batch, scored) if scored else {}
-        verified = self._verify(hidden, batch)
+        verified, verified_logprobs = self._verify(hidden, batch)
         if not sample_rows:
-            return StepOutput(sampled, None, prompt_logprobs, verified)
+            return StepOutput(sampled, None, prompt_logprobs, verified, verified_logprobs)
         logits = self.model.compute_logits(hidden[sample_tokens])
         rows = [
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq), seq.request_id)
@@ -276,19 +279,23 @@ class ModelRunner:
         result = self.sampler(logits, rows)
         for row, token in zip(sample_rows, result.token_ids):
             sampled[row] = token
-        return StepOutput(sampled, result, prompt_logprobs, verified)
+        return StepOutput(sampled, result, prompt_logprobs, verified, verified_logprobs)
 
-    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch) -> dict[int, list[int]]:
+    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch
+                ) -> tuple[dict[int, list[int]], dict[int, list[Logprob]]]:
         """For each row with draft tokens (speculative decoding): a greedy row's own choice after its
         last token and after each draft, k + 1 tokens (the greedy rows' in one read of the device); a
-        sampled row's accepted drafts and its next token (Sampler.verify_drafts), at most k + 1."""
+        sampled row's accepted drafts and its next token (Sampler.verify_drafts), at most k + 1.
+        Then, for the rows that asked, each choice's log-probability and top-n at its position:
+        the tokens a row emits are the first of its choices (greedy: the drafts it accepts equal
+        its own choices)."""
         spans, first = [], 0
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             first += num_new
             if seq.num_draft_tokens:
                 spans.append((row, first - num_new, num_new))
         if not spans:
-            return {}
+            return {}, {}
         index = torch.cat([torch.arange(f, f + n, device=hidden.device) for _, f, n in spans])
         logits = self.model.compute_logits(hidden[index])
         greedy = [batch.seqs[row].params.greedy for row, _, _ in spans]
@@ -302,7 +309,14 @@ class ModelRunner:
                 request = SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq))
                 out[row] = self.sampler.verify_drafts(logits[at:at + n], seq.draft_token_ids, request)
             at += n
-        return out
+        logprobs, at = {}, 0
+        for row, _, n in spans:
+            k = batch.seqs[row].params.logprobs
+            if k is not None:
+                rows = torch.log_softmax(logits[at:at + n].float(), dim=-1)
+                logprobs[row] = [top_logprobs(lp, token, k) for lp, token in zip(rows, out[row])]
+            at += n
+        return out, logprobs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: ScheduledBatch, scored: list[tuple[int, int, int]]
                          ) -> dict[int, tuple[int, list[Logprob]]]:
