@@ -112,12 +112,66 @@ def test_stops_inside_accepted_drafts_are_exact(model_dir) -> None:
         assert engine.kv.pool.num_free_blocks == engine.num_blocks
 
 
-def test_penalised_rows_and_prompt_log_probabilities_do_not_speculate(model_dir) -> None:
+def test_prompt_log_probabilities_do_not_speculate(model_dir) -> None:
     engine = make_engine(model_dir, speculative="ngram")
-    run_engine(engine, [(0, "p", repetitive(1), SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20)),
-                        (0, "q", repetitive(2), SamplingParams(temperature=0.8, presence_penalty=0.5, max_tokens=20)),
-                        (0, "l", repetitive(3), SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=20))])
+    run_engine(engine, [(0, "l", repetitive(3), SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=20))])
     assert engine.num_draft_tokens == 0
+
+
+# Penalties mild enough that the output still repeats (prompt-lookup drafts accepted), strong enough
+# to change it.
+PENALTIES = [dict(presence_penalty=0.1), dict(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)]
+
+
+@pytest.mark.parametrize("penalties", PENALTIES, ids=["presence", "all"])
+def test_penalised_greedy_rows_speculate_token_for_token(model_dir, penalties: dict) -> None:
+    """Each drafted position is verified with the penalties it would have one token at a time (the
+    drafts before it counted as output): the same tokens as without speculation, drafts accepted."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **penalties)
+    plain = run_engine(make_engine(model_dir, speculative="off"),
+                       requests(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    off = run_engine(make_engine(model_dir, speculative="off"), requests(params))
+    assert off != plain  # the penalties change the output
+    engine = make_engine(model_dir, speculative="ngram")
+    assert run_engine(engine, requests(params)) == off
+    assert engine.num_accepted_tokens > 0
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("penalties", [dict(frequency_penalty=1.0), dict(repetition_penalty=1.5),
+                                       dict(presence_penalty=1.0, frequency_penalty=0.5)],
+                         ids=["frequency", "repetition", "presence+frequency"])
+def test_penalties_count_the_drafts_before_each_position(model_dir, monkeypatch, penalties: dict) -> None:
+    """Drafts that are exactly the penalised output (an oracle drafter) are all accepted, which
+    needs each drafted position verified with the drafts before it counted as output, and
+    nothing else counted (the drafts sit in the sequence's tokens while they are verified)."""
+    import llmd.daemon.engine.engine as engine_module
+
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **penalties)
+    off = run_engine(make_engine(model_dir, speculative="off"), requests(params))
+    prompts = {rid: prompt for _, rid, prompt, _ in requests(params)}
+
+    def oracle(token_ids: list[int], k: int) -> list[int]:
+        (rid,) = [r for r, p in prompts.items() if token_ids[:len(p)] == p]
+        done = len(token_ids) - len(prompts[rid])
+        return off[rid][done:done + k]
+
+    monkeypatch.setattr(engine_module, "propose", oracle)
+    engine = make_engine(model_dir, speculative="ngram")
+    assert run_engine(engine, requests(params)) == off
+    assert engine.num_accepted_tokens == engine.num_draft_tokens > 30  # every draft, several per step
+
+
+def test_penalised_sampled_rows_speculate_and_a_seed_repeats_itself(model_dir) -> None:
+    params = SamplingParams(temperature=0.3, seed=11, max_tokens=40, ignore_eos=True, repetition_penalty=1.05,
+                            presence_penalty=0.1)
+    outs = []
+    for _ in range(2):
+        engine = make_engine(model_dir, speculative="ngram")
+        outs.append(run_engine(engine, requests(params)))
+        assert engine.num_verifications > 0 and engine.num_accepted_tokens > 0
+        assert engine.kv.pool.num_free_blocks == engine.num_blocks
+    assert outs[0] == outs[1]
 
 
 def _tokens_and_logprobs(engine, params: SamplingParams) -> tuple[dict, dict]:

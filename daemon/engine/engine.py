@@ -34,11 +34,10 @@ KV_CACHE_DTYPE_CHOICES = OPTIONS["kv_cache_dtype"].choices
 
 
 def _speculates(params: SamplingParams) -> bool:
-    """Whether a request's drafts can be verified here: greedy or sampled (rejection sampling), with
-    log-probabilities or without, but without penalties (each draft would change the next
-    position's) or prompt log-probabilities (such a request computes its whole prompt anyway)."""
-    return (params.prompt_logprobs is None
-            and params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty)
+    """Whether a request's drafts are verified: greedy or sampled (rejection sampling), with
+    penalties (each drafted position's own, ModelRunner._verify) and log-probabilities or without,
+    but not with prompt log-probabilities (such a request computes its whole prompt anyway)."""
+    return params.prompt_logprobs is None
 
 
 @dataclass(slots=True)
@@ -59,7 +58,7 @@ class EngineConfig:
         prefix_cache: reuse KV blocks of shared prompt prefixes.
         cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket (never run on a
             GPU yet: README "GPU status"; ignored elsewhere).
-        speculative: ``ngram`` drafts a request's next tokens (greedy or sampled, no penalties) from
+        speculative: ``ngram`` drafts a request's next tokens (greedy or sampled) from
             its own prompt and output (daemon/engine/ngram_proposer.py) and verifies them in the step
             that computes its next token; ``draft`` drafts them with a second, smaller model (the
             engine's ``draft_model``, daemon/engine/draft_model.py); ``off`` never drafts.

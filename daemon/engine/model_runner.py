@@ -43,6 +43,10 @@ def _graphs_unsupported(model: LlamaForCausalLM, device: torch.device) -> str | 
     return None
 
 
+def _speculation_free_of_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty
+
+
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V, in a cache of ``dtype`` (int8: its rows'
     scales included, llmd.kernels.kv_format)."""
@@ -297,7 +301,21 @@ class ModelRunner:
         if not spans:
             return {}, {}
         index = torch.cat([torch.arange(f, f + n, device=hidden.device) for _, f, n in spans])
-        logits = self.model.compute_logits(hidden[index])
+        logits = raw = self.model.compute_logits(hidden[index])
+        # Penalties, position by position: after the i-th draft, the output as it would be had the
+        # row emitted the drafts before it one token at a time (their own counts, from the lists).
+        at = 0
+        for row, _, n in spans:
+            seq = batch.seqs[row]
+            if not _speculation_free_of_penalties(seq.params):
+                if logits is raw:
+                    logits = raw.clone()
+                draft = seq.draft_token_ids
+                output = seq.output_token_ids[:len(seq.output_token_ids) - len(draft)]  # (the drafts are in it)
+                positions = [SampleRequest(seq.params, seq.prompt_token_ids, output + draft[:i], None)
+                             for i in range(n)]
+                logits[at:at + n] = self.sampler.penalised(raw[at:at + n], positions)
+            at += n
         greedy = [batch.seqs[row].params.greedy for row, _, _ in spans]
         choices = logits.argmax(dim=-1).tolist() if any(greedy) else []
         out, at = {}, 0
@@ -312,8 +330,8 @@ class ModelRunner:
         logprobs, at = {}, 0
         for row, _, n in spans:
             k = batch.seqs[row].params.logprobs
-            if k is not None:
-                rows = torch.log_softmax(logits[at:at + n].float(), dim=-1)
+            if k is not None:  # the model's own, as a sampled row's: before penalties
+                rows = torch.log_softmax(raw[at:at + n].float(), dim=-1)
                 logprobs[row] = [top_logprobs(lp, token, k) for lp, token in zip(rows, out[row])]
             at += n
         return out, logprobs

@@ -90,11 +90,17 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
 
+    def penalised(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        """``logits [B, V]`` with each row's penalties applied (a new tensor where any applies):
+        speculative decoding's verification, one row per drafted position."""
+        return self._apply_penalties(logits, rows)
+
     def verify_drafts(self, logits: torch.Tensor, draft: list[int], row: SampleRequest) -> list[int]:
-        """Speculative decoding's rejection sampling for one sampled row without penalties (Leviathan
-        et al. 2023, Chen et al. 2023): ``logits`` ``[k + 1, V]`` at the row's last token and after each
-        of its ``k`` drafts. Returns the drafts kept and then the row's own next token, so that the
-        output is distributed exactly as sampling one token at a time would be.
+        """Speculative decoding's rejection sampling for one sampled row (Leviathan et al. 2023, Chen
+        et al. 2023): ``logits`` ``[k + 1, V]`` at the row's last token and after each of its ``k``
+        drafts, with the penalties of each position already applied (:meth:`penalised`). Returns
+        the drafts kept and then the row's own next token, so that the output is distributed
+        exactly as sampling one token at a time would be.
 
         The drafts are proposed deterministically (a one-hot draft distribution q), so draft ``d`` is
         accepted with probability ``min(1, p(d) / q(d)) = p(d)``; the first rejected one is replaced
