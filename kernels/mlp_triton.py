@@ -63,9 +63,9 @@ COMBINE_MAX_BYTES = 512 * 1024
 MAX_BLOCK_K = 128  # gate/up's K tile over the hidden features, at most
 
 
-def mlp_plan(intermediate: int, hidden: int, rows: int, programs_wanted: int) -> tuple[int, int] | None:
+def mlp_plan(intermediate: int, hidden: int, rows: int, wanted: int) -> tuple[int, int] | None:
     """``(BLOCK_I, C)`` for a step of ``rows`` rows: slices of ``BLOCK_I`` features, the output
-    columns in ``C`` groups (as many as bring the launch to ``programs_wanted``, at most one per
+    columns in ``C`` groups (as many as bring the launch to ``wanted`` programs, at most one per
     column tile); None when the MLP should stay two GEMVs. Decided per power-of-two bucket of rows,
     as the warm-up and the CUDA graphs see them, so a row count never launches a variant the
     warm-up did not compile."""
@@ -76,7 +76,7 @@ def mlp_plan(intermediate: int, hidden: int, rows: int, programs_wanted: int) ->
         programs = intermediate // block_i
         block_n = _block_n(1 if bucket == 1 else GEMV_DOT_BLOCK_M, block_i)
         n_tiles = cdiv(hidden, block_n)
-        groups = min(n_tiles, max(1, cdiv(programs_wanted, programs)))
+        groups = min(n_tiles, max(1, cdiv(wanted, programs)))
         if programs * bucket * cdiv(n_tiles, groups) * block_n * 4 <= COMBINE_MAX_BYTES:
             return block_i, groups
     return None

@@ -96,7 +96,7 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     """Everything a GPU runs, under the interpreter: Triton attention, the fused norm/RoPE/SiLU
     kernels and the Triton INT4 matmuls (GEMV with split-K for decode rows, GEMM for prompt chunks),
     decode steps through the fused step (the norms, adds, RoPE and KV write in the matmuls' and the
-    attention's launches, the MLP in one)
+    attention's launches, the MLP in one; its launches bound once per row count)
     give the tokens of the torch reference on the same INT4 weights (dequantise + matmul, torch
     attention and layer ops). fp32: the interpreter cannot run bf16 tl.dot (test_quant_triton.py).
     qwen2: GQA, qkv bias, tied head; 4 requests, two sharing a prefix (the interpreter is slow)."""
@@ -128,41 +128,37 @@ def test_the_whole_gpu_path_matches_the_reference(tmp_path: Path) -> None:
     assert all(isinstance(layer.mlp, FusedMLP) for layer in gpu.model.decode_step.layers)
     assert run_engine(gpu, requests) == expected
     assert gpu.num_verifications > 0  # speculation on (the default): drafts verified as decode rows
+    check_bound_launches(gpu)
 
 
-def test_the_fused_steps_bound_launches_equal_its_calls(tmp_path: Path) -> None:
+def check_bound_launches(engine) -> None:
     """A step on the embeddings the decode step placed (embed()) runs its launches bound once
     (their arguments checked and packed at the first step of a row count and split count); a step
     on other tensors calls each kernel's wrapper. Same kernels, same arguments: bit for bit the
-    same hidden states, on two row counts, and new inputs rebind."""
+    same hidden states, on two row counts; new inputs rebind, and a new cache drops every binding."""
+    step, caches = engine.model.decode_step, engine.runner.kv_caches
+    step.bind_cache(caches)
+    for rows in (1, 3):
+        check_bound_step(step, engine.model.model.embed_tokens.weight, rows)
+    step.bind_cache(caches)
+    assert not step._programs
+
+
+@torch.inference_mode()  # as the model's forward: the step's buffers are inference tensors
+def check_bound_step(step, weight: torch.Tensor, rows: int) -> None:
     import torch.nn.functional as F
 
-    from llmd.daemon.models.layer_ops import TritonLayerOps
-    from llmd.daemon.quantization import QuantConfig
-
-    model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", with_tokenizer=True)
-    engine = make_engine(model_dir, attention=TorchAttentionBackend(), quant=QuantConfig("int4", 32), num_blocks=16,
-                         block_size=16)
-    model = engine.model
-    model.attn_backend, model.layer_ops = TritonAttentionBackend(), TritonLayerOps()
-    model.use_triton_kernels()
-    step, caches = model.decode_step, engine.runner.kv_caches
-    step.bind_cache(caches)
-    weight = model.model.embed_tokens.weight
-    for rows in (1, 3):
-        ids = torch.arange(5, 5 + rows)
-        inputs = (torch.full((rows,), 1), torch.arange(rows) * 16 + 1, torch.arange(rows, dtype=torch.int32)[:, None],
-                  torch.full((rows,), 2, dtype=torch.int32))
-        bound = step(step.embed(ids, weight), *inputs, 2).clone()
-        assert (rows, 1) in step._programs
-        called = step(F.embedding(ids, weight), *inputs, 2)
-        assert torch.equal(bound, called) and bound.abs().max() > 0
-        program = step._programs[(rows, 1)]
-        fresh = tuple(t.clone() for t in inputs)
-        assert torch.equal(step(step.embed(ids, weight), *fresh, 2), bound)
-        assert step._programs[(rows, 1)] is not program  # bound to the new inputs
-    step.bind_cache(caches)
-    assert not step._programs  # a new cache: every launch rebound
+    ids = torch.arange(5, 5 + rows)
+    inputs = (torch.full((rows,), 1), torch.arange(rows) * 16 + 1, torch.arange(rows, dtype=torch.int32)[:, None],
+              torch.full((rows,), 2, dtype=torch.int32))
+    bound = step(step.embed(ids, weight), *inputs, 2).clone()
+    assert (rows, 1) in step._programs
+    called = step(F.embedding(ids, weight), *inputs, 2)
+    assert torch.equal(bound, called) and bound.abs().max() > 0
+    program = step._programs[(rows, 1)]
+    fresh = tuple(t.clone() for t in inputs)
+    assert torch.equal(step(step.embed(ids, weight), *fresh, 2), bound)
+    assert step._programs[(rows, 1)] is not program  # bound to the new inputs
 
 
 @contextmanager
