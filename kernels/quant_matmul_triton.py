@@ -746,25 +746,18 @@ class FusedMatmul:
         m = shape[0] if len(shape) == 2 else 0
         if residual is not None:
             out = residual
-        # (dtypes are singletons: `is` is their equality)
-        if not (0 < m <= GEMV_MAX_M and x.dtype is self.dtype and shape[1] == self._width and x.is_contiguous()
-                and (out is None or (out.shape[0] == m and out.shape[1] == w.n and out.dtype is self.out_dtype
-                                     and out.is_contiguous()))):
+        if not self._takes(x, m, out):
             _check_x(x, w.k, self.device, self.norm, self.silu)
             if out is None and self.out_dtype is not x.dtype:
                 out = torch.empty((m, w.n), dtype=self.out_dtype, device=x.device)
             result = _run(w, x, _path_for(m), _fusion(x, w.k, w.n, self.norm, self.silu, self.bias, residual),
                           out)
             return result if out is None or result is out else out.copy_(result)
-        block_m = 1 if m == 1 else GEMV_DOT_BLOCK_M
-        launch, part, counters, norm_w, bias, n, k, eps, sw, ss, k_iters, split, kwargs = \
-            self._plans.get(block_m) or self._plan(block_m)
         if out is None:
-            out = torch.empty((m, n), dtype=self.out_dtype, device=x.device)
-        launch(x, *w.tensors, out, out if part is None else part, counters, x if norm_w is None else norm_w,
-               x if bias is None else bias, out, m, n, k, eps, x.stride(0), sw, ss, n, n, k_iters, split, **kwargs)
+            out = torch.empty((m, w.n), dtype=self.out_dtype, device=x.device)
+        launch, args, kwargs = self._gemv(x, m, out)
+        launch(*args, **kwargs)
         return out
-
 
     def bind(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
              out: torch.Tensor | None = None) -> Callable[[], object]:
@@ -775,17 +768,28 @@ class FusedMatmul:
             raise ValueError("a residual is " + ("required" if self.add_residual else "not taken") + " here")
         if residual is not None:
             out = residual
-        w = self.weight
         m = x.shape[0] if x.ndim == 2 else 0
-        if not (0 < m <= GEMV_MAX_M and x.dtype is self.dtype and x.shape[1] == self._width and x.is_contiguous()
-                and out is not None and out.shape == (m, w.n) and out.dtype is self.out_dtype and out.is_contiguous()):
+        if out is None or not self._takes(x, m, out):
             return functools.partial(self, x, residual, out=out)  # checked at each call
+        launch, args, kwargs = self._gemv(x, m, out)
+        return functools.partial(launch, *args, **kwargs)
+
+    def _takes(self, x: torch.Tensor, m: int, out: torch.Tensor | None) -> bool:
+        """Whether ``m`` rows of x (and ``out``, unless None) go straight to the bound GEMV."""
+        # (dtypes are singletons: `is` is their equality)
+        return (0 < m <= GEMV_MAX_M and x.dtype is self.dtype and x.shape[1] == self._width and x.is_contiguous()
+                and (out is None or (out.shape == (m, self.weight.n) and out.dtype is self.out_dtype
+                                     and out.is_contiguous())))
+
+    def _gemv(self, x: torch.Tensor, m: int, out: torch.Tensor) -> tuple[Callable, tuple, dict]:
+        """``(launch, args, kwargs)`` of the GEMV of ``m`` rows of x into ``out``."""
+        w = self.weight
         block_m = 1 if m == 1 else GEMV_DOT_BLOCK_M
         launch, part, counters, norm_w, bias, n, k, eps, sw, ss, k_iters, split, kwargs = \
             self._plans.get(block_m) or self._plan(block_m)
-        return functools.partial(launch, x, *w.tensors, out, out if part is None else part, counters,
-                                 x if norm_w is None else norm_w, x if bias is None else bias, out, m, n, k, eps,
-                                 x.stride(0), sw, ss, n, n, k_iters, split, **kwargs)
+        return launch, (x, *w.tensors, out, out if part is None else part, counters, x if norm_w is None else norm_w,
+                        x if bias is None else bias, out, m, n, k, eps, x.stride(0), sw, ss, n, n, k_iters,
+                        split), kwargs
 
 
 def fused_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,

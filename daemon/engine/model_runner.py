@@ -19,6 +19,7 @@ from llmd.daemon.device import host_tensor
 from llmd.daemon.engine.cuda_graphs import DecodeGraphs
 from llmd.daemon.engine.decode_inputs import DecodeInputs
 from llmd.daemon.engine.outputs import Logprob
+from llmd.daemon.engine.penalty_counts import uses_counts
 from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler, top_logprobs
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch
@@ -41,10 +42,6 @@ def _graphs_unsupported(model: LlamaForCausalLM, device: torch.device) -> str | 
     if model.attn_backend.name != "triton":
         return "CUDA graphs need the Triton attention backend (--attention auto or triton)"
     return None
-
-
-def _speculation_free_of_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -307,7 +304,7 @@ class ModelRunner:
         at = 0
         for row, _, n in spans:
             seq = batch.seqs[row]
-            if not _speculation_free_of_penalties(seq.params):
+            if uses_counts(seq.params):
                 if logits is raw:
                     logits = raw.clone()
                 draft = seq.draft_token_ids
