@@ -296,8 +296,8 @@ def test_rope_matches_reference_on_strided_views(lib, dtype, tokens: int) -> Non
 @pytest.mark.parametrize("window", [None, 250])
 def test_decode_attention_split_over_keys_matches_reference(lib, cache_dtype, seq_lens: list[int],
                                                             num_kv_heads: int, window: int | None) -> None:
-    """Few (sequence, KV head) pairs and long contexts: the kernel splits each context's keys between
-    threads and combines the parts; a short sequence next to a long one leaves some parts empty."""
+    """Long contexts: the kernel cuts each context's keys into cells, tasks of their own, and
+    combines them; a short sequence next to a long one, or a window, leaves some cells empty."""
     from llmd.kernels import attention_cpu, attention_ref
 
     g = torch.Generator().manual_seed(sum(seq_lens) + num_kv_heads)
@@ -336,13 +336,59 @@ def test_decode_attention_over_verified_spans_matches_reference(lib, cache_dtype
     tables = torch.cat([own[i:i + 1].expand(n, -1) for i, (_, n) in enumerate(layout)])
     seq_lens = [start + r + 1 for start, n in layout for r in range(n)]
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
-    spans, lens = torch.zeros(len(seq_lens) + 1, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.int32)
+    spans = torch.zeros(lib.llmd_attention_spans_size(len(seq_lens)), dtype=torch.long)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     num_spans = lib.llmd_attention_spans(tables.data_ptr(), width, lens.data_ptr(), len(seq_lens), block_size,
-                                         spans.data_ptr())
+                                         num_kv_heads, spans.data_ptr())
     assert num_spans == len(layout)  # found exactly the spans laid out
     got = attention_cpu.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window, lib)
     want = attention_ref.decode_attention(query, k_cache, v_cache, seq_lens, tables, 0.125, window)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# around the cells' edges: 128 keys up to 2048, then 256 (kernels/cpu/paged_attention.c, cell_keys)
+INVARIANCE_LENS = [1, 2, 127, 128, 129, 255, 300, 2047, 2048, 2049, 3001]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("window", [None, 100, 1000])
+def test_decode_attention_is_the_same_bits_whatever_the_batch(lib, cache_dtype, window: int | None) -> None:
+    """Batch invariance: a row's attention is the same bits alone, beside other sequences, and as one
+    of a verified span of drafts (which reads its context once for the span). Greedy tokens then do
+    not change with speculation on or off, nor with the load (issue 22); splitting a context by the
+    thread count and the batch, as the kernel once did, changed them."""
+    from llmd.kernels import attention_cpu
+
+    g = torch.Generator().manual_seed(11 + (window or 0))
+    block_size, head_dim, num_kv_heads, num_heads, span = 16, 64, 3, 9, 4
+    width = -(-(max(INVARIANCE_LENS) + span) // block_size)
+    num_blocks = len(INVARIANCE_LENS) * width
+    k_cache = to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 2, cache_dtype)
+    v_cache = to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g), cache_dtype)
+    tables = torch.randperm(num_blocks, generator=g).reshape(len(INVARIANCE_LENS), width)
+    # every sequence's rows at lengths n .. n + span - 1, each with its own query
+    rows = [(i, n + r) for i, n in enumerate(INVARIANCE_LENS) for r in range(span)]
+    query = torch.randn(len(rows), num_heads, head_dim, generator=g)
+
+    def attend(picked: list[int], threads: int) -> torch.Tensor:
+        # NOTE: the suite runs on one thread (OMP_NUM_THREADS=1), where a split by the thread count
+        # never happened: the batches below run on 2 and 3
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return attention_cpu.decode_attention(query[picked], k_cache, v_cache, [rows[j][1] for j in picked],
+                                                  tables[[rows[j][0] for j in picked]], 0.125, window, lib)
+        finally:
+            torch.set_num_threads(before)
+
+    alone = torch.cat([attend([j], 1) for j in range(len(rows))])
+    for threads in (2, 3):
+        assert torch.equal(attend(list(range(len(rows))), threads), alone)  # every sequence's span in one batch
+        firsts = list(range(0, len(rows), span))
+        assert torch.equal(attend(firsts, threads), alone[firsts])  # one row per sequence, a decode step's batch
+        for i in range(len(INVARIANCE_LENS)):  # each span alone, a step of one stream verifying drafts
+            own = list(range(i * span, (i + 1) * span))
+            assert torch.equal(attend(own, threads), alone[own]), (INVARIANCE_LENS[i], threads)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])

@@ -73,6 +73,47 @@ def test_verified_rows_run_in_the_native_decode_step(model_dir, dtype, monkeypat
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
 
 
+def test_a_verified_span_is_the_same_bits_as_one_token_at_a_time(model_dir) -> None:
+    """The native decode step is batch invariant: the hidden states of a span of drafts verified in
+    one step, of the same tokens decoded one step each, and of those rows beside another sequence,
+    are the same bits. Greedy equality on and off rests on it, and a tiny random model's wide logit
+    margins hide a last-bit difference from a token comparison (the default model's do not). On two
+    threads (the suite runs on one), with contexts past one attention cell (128 keys)."""
+    from llmd.daemon.attention import AttentionMetadata, CpuAttentionBackend
+    from llmd.daemon.quantization import QuantConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = make_engine(model_dir, attention=CpuAttentionBackend(), quant=QuantConfig("int4"),
+                             dtype=torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    runner, g = engine.runner, torch.Generator().manual_seed(5)
+    model, caches, bs = runner.model, runner.kv_caches, runner.block_size
+    assert model.decode_step is not None
+    width = -(-200 // bs)
+
+    def step(rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One step of one-token rows (sequence, position, token); sequence s owns blocks s*width..."""
+        tables = torch.stack([torch.arange(s * width, (s + 1) * width) for s, _, _ in rows])
+        slots = torch.tensor([(s * width + p // bs) * bs + p % bs for s, p, _ in rows])
+        meta = AttentionMetadata(slot_mapping=slots, query_lens=[1] * len(rows), seq_lens=[p + 1 for _, p, _ in rows],
+                                 block_tables=tables)
+        return model(torch.tensor([t for *_, t in rows]), torch.tensor([p for _, p, _ in rows]), caches, meta).clone()
+
+    for s, n in enumerate((150, 190)):  # two prompts, written to the cache as a prompt chunk is
+        table = torch.arange(s * width, (s + 1) * width)
+        meta = AttentionMetadata(slot_mapping=(table[:, None] * bs + torch.arange(bs)).flatten()[:n],
+                                 query_lens=[n], seq_lens=[n], block_tables=table[None, :])
+        model(torch.randint(3, 250, (n,), generator=g), torch.arange(n), caches, meta)
+    drafts = torch.randint(3, 250, (4,), generator=g).tolist()
+    span = [(0, 150 + i, t) for i, t in enumerate(drafts)]
+    one_at_a_time = torch.cat([step([row]) for row in span])
+    assert torch.equal(step(span), one_at_a_time)
+    assert torch.equal(step([(1, 190, 7), *span])[1:], one_at_a_time)
+
+
 def test_acceptance_is_counted_per_request_and_in_total(model_dir) -> None:
     from llmd.commands.status import _speculation_line
     from llmd.tui.dashboard import speculation_part

@@ -63,12 +63,6 @@ typedef struct {
     int64_t *spans;
 } buffers;
 
-static int64_t max_splits(int nthreads) {
-    int64_t s = 1;
-    while (s < 2 * nthreads) s *= 2;
-    return s;
-}
-
 #define ALIGN 64
 static size_t carve(buffers *b, const llmd_model *md, int64_t M, char *base) {
     const int64_t H = md->hidden, D = md->head_dim, q = md->num_heads * D, kv = md->num_kv_heads * D;
@@ -91,8 +85,8 @@ static size_t carve(buffers *b, const llmd_model *md, int64_t M, char *base) {
     TAKE(xm, float, M * kmax / LLMD_QK);
     TAKE(cos, float, M * D / 2);
     TAKE(sin, float, M * D / 2);
-    TAKE(partial, float, llmd_attention_partial_floats(M, md->num_heads, D, max_splits(md->nthreads)) + 1);
-    TAKE(spans, int64_t, M + 1);
+    TAKE(partial, float, llmd_attention_partial_floats(M, md->num_heads, D));
+    TAKE(spans, int64_t, llmd_attention_spans_size(M));
 #undef TAKE
     return off;
 }
@@ -185,11 +179,8 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
     buffers b;
     char *base = (char *)(((uintptr_t)workspace + ALIGN - 1) / ALIGN * ALIGN);
     carve(&b, md, M, base);
-    int64_t max_len = 0;
-    for (int64_t m = 0; m < M; m++) max_len = seq_lens[m] > max_len ? seq_lens[m] : max_len;
     /* a verified span of drafts is rows of one context, which attention reads once for all of them */
-    const int64_t num_spans = llmd_attention_spans(block_tables, max_blocks, seq_lens, M, md->block_size, b.spans);
-    const int64_t splits = llmd_attention_splits(num_spans, KVH, max_len, md->nthreads);
+    const int64_t num_spans = llmd_attention_spans(block_tables, max_blocks, seq_lens, M, md->block_size, KVH, b.spans);
     const int kind = md->cache_kind;
     const int64_t row_bytes = llmd_kv_row_bytes(kind, D), token_bytes = KVH * row_bytes;
 #pragma omp parallel num_threads(md->nthreads)
@@ -226,7 +217,7 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
             }
             llmd_decode_attention_body(b.qkv, qkv_size, ly->k_cache, ly->v_cache, kind, block_tables, max_blocks,
                                        seq_lens, b.spans, num_spans, NH, KVH, D, md->block_size, ly->window,
-                                       md->scale, splits, b.partial, b.attn);
+                                       md->scale, b.partial, b.attn);
             llmd_q8_quantize_body(b.attn, M, q_size, b.xq, b.xd, b.xm);
             linear(&ly->o, M, &b, b.tmp);
 #pragma omp for schedule(static)

@@ -56,18 +56,18 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
                      float *out, int64_t ldo);
 
 /* Decode attention (paged_attention.c): q rows of stride ldq (floats), out [B, H * D]; caches of
- * rows of `cache_kind` (kv_row.h). `spans`:
- * the first row of each group of rows reading one context, then B (llmd_attention_spans fills
- * num_spans + 1 entries); the splits are for num_spans tasks per KV head. `partial`:
- * llmd_attention_partial_floats(...) floats of scratch when splits > 1, else unused. */
+ * rows of `cache_kind` (kv_row.h). `spans`: llmd_attention_spans_size(B) int64s that
+ * llmd_attention_spans fills once per step (the groups of rows reading one context, the cells each
+ * reads, the tasks); it returns their number. `partial`: llmd_attention_partial_floats(B, H, D)
+ * floats of scratch. A row's keys are cut into at most LLMD_ATTN_MAX_CELLS cells. */
+#define LLMD_ATTN_MAX_CELLS 16
+int64_t llmd_attention_spans_size(int64_t B);
 int64_t llmd_attention_spans(const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t B,
-                             int64_t block_size, int64_t *first);
-int64_t llmd_attention_splits(int64_t B, int64_t KVH, int64_t max_len, int nthreads);
-int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D, int64_t splits);
+                             int64_t block_size, int64_t KVH, int64_t *spans);
+int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D);
 void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_kind,
                                 const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                 const int64_t *spans, int64_t num_spans, int64_t H, int64_t KVH, int64_t D,
-                                int64_t block_size, int64_t window, float scale, int64_t splits, float *partial,
-                                float *out);
+                                int64_t block_size, int64_t window, float scale, float *partial, float *out);
 
 #endif

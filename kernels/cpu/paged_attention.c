@@ -6,17 +6,23 @@
  * seq_lens [B] (int32, the query token included), out [B, H, D] fp32. A key is visible when
  * k_pos >= seq_len - window (window 0: no sliding window).
  *
- * One task per (sequence, KV head): the GQA group's query heads share each key and value read
+ * One task per (sequence, KV head, cell of keys): the GQA group's query heads share each key and value read
  * (bf16 and int8 rows are converted to fp32 once per task). Per head three passes (scores eight keys at a time,
  * softmax, a weighted sum of V accumulated in registers) instead of an online softmax: the
  * rescaling an online softmax needs per key costs more than keeping the scores (one float per
- * key and head). With fewer (sequence, KV head) pairs than twice the threads (one stream), each
- * context's keys are split between tasks and the parts combined by log-sum-exp. Matches
- * llmd.kernels.attention_ref.decode_attention within fp32 rounding.
+ * key and head). Matches llmd.kernels.attention_ref.decode_attention within fp32 rounding.
+ *
+ * Batch invariance: a row's result is the same bits whatever else is in the batch. A context's keys
+ * are cut into cells at multiples of a cell size that depends on that context's length alone
+ * (cell_keys); each cell is a task, and a row's cells are combined by log-sum-exp in order. So one
+ * stream's keys are spread over the threads (a task per cell, not per KV head), and a token decoded
+ * alone, beside other sequences or in a verified span of drafts gets the same attention: greedy
+ * output does not change with speculation or with the load (issue 22). Splitting by the thread
+ * count, as this kernel once did, moved the cut with the batch and changed the last bits.
  *
  * Rows may share a context: a span of draft tokens being verified (speculative decoding) comes as
  * consecutive rows of one sequence, each one position further (llmd_attention_spans finds them).
- * A span's rows are one task per KV head: each key and value is read (and widened) once for all
+ * A span's rows share their tasks (a cell and a KV head): each key and value is read (and widened) once for all
  * of them, and each row attends to the keys up to its own position, so verifying k drafts costs
  * about one row's cache reads, not k + 1.
  */
@@ -142,51 +148,65 @@ static float softmax_numerators(float *s, int64_t n, float *mx_out) {
     return total;
 }
 
-/* Keys of one (sequence, KV head) split between this many tasks when there are too few such pairs
- * to keep every thread busy (one stream has only KVH of them); each split needs this many keys. */
-#define MIN_SPLIT_KEYS 64
+/* A context's keys per cell: the smallest power of two from ATTN_MIN_CELL that leaves at most
+ * LLMD_ATTN_MAX_CELLS cells. Small enough that one stream's context is a few tasks per thread, large
+ * enough that a task's fixed costs stay small; bounded in number so a row's parts fit a fixed scratch. */
+#define ATTN_MIN_CELL 128
+static int64_t cell_keys(int64_t len) {
+    int64_t c = ATTN_MIN_CELL;
+    while (c * LLMD_ATTN_MAX_CELLS < len) c *= 2;
+    return c;
+}
 
 int64_t llmd_attention_spans(const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t B,
-                             int64_t block_size, int64_t *first) {
+                             int64_t block_size, int64_t KVH, int64_t *spans) {
+    int64_t *first = spans, *cells = spans + B + 1;
     int64_t n = 0;
     for (int64_t b = 0; b < B; b++) {
         /* NOTE: rows whose tables agree over every block the later one reads see the same keys,
          * so grouping them is exact whatever they are; in practice only a verified span matches
-         * (another sequence's table differs at least in the block its new token is written to). */
+         * (another sequence's table differs at least in the block its new token is written to).
+         * Rows join only with the same cell size: each row's cells are its own length's. */
         const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size;
         const int joins = b > 0 && seq_lens[b] == seq_lens[b - 1] + 1 && blocks <= max_blocks &&
+                          cell_keys(seq_lens[b]) == cell_keys(seq_lens[b - 1]) &&
                           memcmp(block_tables + b * max_blocks, block_tables + (b - 1) * max_blocks,
                                  sizeof(int64_t) * (size_t)blocks) == 0;
         if (!joins) first[n++] = b;
     }
     first[n] = B;
+    /* per span: how many cells its last row's keys fill, then the tasks before each span, KVH x
+     * cells each. NOTE: not the window's: a sliding window's cells before its first key are empty
+     * tasks, which read nothing, so the spans serve every layer of a model whose layers differ. */
+    int64_t *ncells = spans + 2 * (B + 1), *tasks = spans + 3 * (B + 1);
+    tasks[0] = 0;
+    for (int64_t s = 0; s < n; s++) {
+        const int64_t len = seq_lens[first[s + 1] - 1], c = cell_keys(len);
+        ncells[s] = len > c ? (len + c - 1) / c : 1;
+        for (int64_t b = first[s]; b < first[s + 1]; b++) cells[b] = ncells[s];
+        tasks[s + 1] = tasks[s] + KVH * ncells[s];
+    }
     return n;
 }
 
-int64_t llmd_attention_splits(int64_t B, int64_t KVH, int64_t max_len, int nthreads) {
-    int64_t splits = 1;
-    while (B * KVH * splits < 2 * nthreads && max_len / (splits * 2) >= MIN_SPLIT_KEYS) splits *= 2;
-    return splits;
-}
+int64_t llmd_attention_spans_size(int64_t B) { return 4 * (B + 1); }
 
-/* per split and query head: the running max, the sum of exponentials and the unnormalised output */
-int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D, int64_t splits) {
-    return splits > 1 ? B * H * splits * (D + 2) : 0;
+/* per row, query head and cell: the max score, the sum of exponentials and the unnormalised output */
+int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D) {
+    return B * H * LLMD_ATTN_MAX_CELLS * (D + 2);
 }
 
 void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_kind,
                                 const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                 const int64_t *spans, int64_t num_spans, int64_t H, int64_t KVH, int64_t D,
-                                int64_t block_size, int64_t window, float scale, int64_t splits, float *partial,
-                                float *out) {
+                                int64_t block_size, int64_t window, float scale, float *partial, float *out) {
     const int64_t group = H / KVH;
     const int64_t row_bytes = llmd_kv_row_bytes(cache_kind, D);
     const int converted = cache_kind != LLMD_CACHE_F32;
     const int64_t B = spans[num_spans];
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    /* this thread's scratch, sized for the longest part of a context */
-    const int64_t max_n = (max_len + splits - 1) / splits > 0 ? (max_len + splits - 1) / splits : 1;
+    const int64_t *cells = spans + B + 1, *ncells = spans + 2 * (B + 1), *tasks = spans + 3 * (B + 1);
+    int64_t max_n = 1; /* the largest cell: this thread's scratch */
+    for (int64_t b = 0; b < B; b++) max_n = cell_keys(seq_lens[b]) > max_n ? cell_keys(seq_lens[b]) : max_n;
     float *scores = malloc(sizeof(float) * (size_t)max_n);
     /* K and V rows as fp32: the cache's own rows, or converted once for the whole group (bf16, int8) */
     const float **k_rows = malloc(sizeof(float *) * (size_t)max_n);
@@ -194,15 +214,20 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
     float *k_widened = converted ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
     float *v_widened = converted ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_spans * KVH * splits; task++) {
-        const int64_t span = task / (KVH * splits), kvh = task / splits % KVH, split = task % splits;
+    for (int64_t task = 0; task < tasks[num_spans]; task++) {
+        int64_t span = 0; /* the span this task is in: the last whose first task is <= task */
+        for (int64_t lo = 0, hi = num_spans; lo < hi;) {
+            const int64_t mid = (lo + hi) / 2;
+            if (tasks[mid] <= task) span = mid, lo = mid + 1;
+            else hi = mid;
+        }
+        const int64_t local = task - tasks[span], kvh = local / ncells[span], cell = local % ncells[span];
         const int64_t b0 = spans[span], b1 = spans[span + 1];
-        /* the span's keys: from the first row's earliest visible one to the last row's newest */
-        const int64_t len = seq_lens[b1 - 1];
-        const int64_t first = window > 0 && seq_lens[b0] > window ? seq_lens[b0] - window : 0;
-        const int64_t chunk = (len - first + splits - 1) / splits;
-        const int64_t start = first + split * chunk < len ? first + split * chunk : len;
-        const int64_t end = start + chunk < len ? start + chunk : len;
+        const int64_t len = seq_lens[b1 - 1], c = cell_keys(len);
+        /* the cell's keys, from the first the span's first row sees to the last its last row sees */
+        const int64_t from = window > 0 && seq_lens[b0] > window ? seq_lens[b0] - window : 0;
+        const int64_t end = (cell + 1) * c < len ? (cell + 1) * c : len;
+        const int64_t start = cell * c > from ? cell * c : (from < end ? from : end);
         const int64_t *table = block_tables + b0 * max_blocks;
         for (int64_t pos = start; pos < end; pos++) {
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
@@ -222,7 +247,7 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
                                          converted ? v_widened + i * D : NULL);
         }
         for (int64_t b = b0; b < b1; b++) {
-            /* this row's keys within the task's: [lo, hi) */
+            /* this row's keys within the cell's: [lo, hi) */
             const int64_t row_first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
             const int64_t lo = row_first > start ? row_first : start;
             const int64_t hi = seq_lens[b] < end ? seq_lens[b] : end;
@@ -233,15 +258,18 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
                 scores_for(q + b * ldq + h * D, k_rows + (lo - start), n, D, scale, s);
                 float mx = -INFINITY;
                 const float total = n > 0 ? softmax_numerators(s, n, &mx) : 0.0f;
-                if (splits == 1) { /* every row sees at least its own key: n > 0 */
-                    const float inv = n > 0 ? 1.0f / total : 0.0f;
-                    for (int64_t i = 0; i < n; i++) s[i] *= inv;
-                    weighted_sum(v_rows + (lo - start), s, n, D, out + (b * H + h) * D);
-                } else { /* combined below; an empty part (total 0) is skipped there */
-                    float *part = partial + ((b * H + h) * splits + split) * (D + 2);
-                    part[0] = mx;
-                    part[1] = total;
-                    weighted_sum(v_rows + (lo - start), s, n, D, part + 2);
+                /* One cell: the row's output at once. Several: its part, combined below. Both end
+                 * as sum(e^(s - m) v) / sum(e^(s - m)) in the same bits when a row has one cell
+                 * with keys in it (the combination's weight is then e^0 = 1): the same result
+                 * whichever way a row's span was cut. */
+                float *o = ncells[span] == 1 ? out + (b * H + h) * D
+                                             : partial + ((b * H + h) * LLMD_ATTN_MAX_CELLS + cell) * (D + 2) + 2;
+                weighted_sum(v_rows + (lo - start), s, n, D, o);
+                if (ncells[span] == 1) { /* a row sees at least its own key: n > 0 but for a padding row's 0 */
+                    for (int64_t d = 0; d < D; d++) o[d] = n > 0 ? o[d] / total : 0.0f;
+                } else { /* an empty part (total 0) is skipped in the combination */
+                    o[-2] = mx;
+                    o[-1] = total;
                 }
             }
         }
@@ -251,24 +279,25 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
     free(v_rows);
     free(k_widened);
     free(v_widened);
-    if (splits > 1) {
-        /* log-sum-exp combination: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s */
+    /* log-sum-exp combination: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, cells in order */
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * H; bh++) {
-            const float *parts = partial + bh * splits * (D + 2);
-            float mx = -INFINITY, total = 0.0f;
-            for (int64_t sp = 0; sp < splits; sp++) mx = parts[sp * (D + 2)] > mx ? parts[sp * (D + 2)] : mx;
-            float *o = out + bh * D;
-            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-            for (int64_t sp = 0; sp < splits; sp++) {
-                const float *part = parts + sp * (D + 2);
-                if (part[1] == 0.0f) continue; /* an empty split (fewer keys than splits) */
-                const float w = expf(part[0] - mx);
-                total += w * part[1];
-                for (int64_t d = 0; d < D; d++) o[d] += w * part[2 + d];
-            }
-            for (int64_t d = 0; d < D; d++) o[d] /= total;
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t nc = cells[bh / H];
+        if (nc == 1) continue;
+        const float *parts = partial + bh * LLMD_ATTN_MAX_CELLS * (D + 2);
+        float mx = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < nc; c++)
+            if (parts[c * (D + 2) + 1] != 0.0f && parts[c * (D + 2)] > mx) mx = parts[c * (D + 2)];
+        float *o = out + bh * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t c = 0; c < nc; c++) {
+            const float *part = parts + c * (D + 2);
+            if (part[1] == 0.0f) continue; /* none of this row's keys are in this cell */
+            const float w = expf(part[0] - mx);
+            total += w * part[1];
+            for (int64_t d = 0; d < D; d++) o[d] += w * part[2 + d];
         }
+        for (int64_t d = 0; d < D; d++) o[d] /= total;
     }
 }
 
@@ -277,16 +306,12 @@ void llmd_paged_decode_attention(const float *q, const void *k_cache, const void
                                  const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                                  int64_t window, float scale, float *out, int nthreads) {
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    int64_t *spans = malloc(sizeof(int64_t) * (size_t)(B + 1));
-    const int64_t num_spans = llmd_attention_spans(block_tables, max_blocks, seq_lens, B, block_size, spans);
-    const int64_t splits = llmd_attention_splits(num_spans, KVH, max_len, nthreads);
-    const int64_t floats = llmd_attention_partial_floats(B, H, D, splits);
-    float *partial = floats ? malloc(sizeof(float) * (size_t)floats) : NULL;
+    int64_t *spans = malloc(sizeof(int64_t) * (size_t)llmd_attention_spans_size(B));
+    const int64_t num_spans = llmd_attention_spans(block_tables, max_blocks, seq_lens, B, block_size, KVH, spans);
+    float *partial = malloc(sizeof(float) * (size_t)llmd_attention_partial_floats(B, H, D));
 #pragma omp parallel num_threads(nthreads)
     llmd_decode_attention_body(q, H * D, k_cache, v_cache, cache_kind, block_tables, max_blocks, seq_lens, spans,
-                               num_spans, H, KVH, D, block_size, window, scale, splits, partial, out);
+                               num_spans, H, KVH, D, block_size, window, scale, partial, out);
     free(partial);
     free(spans);
 }
