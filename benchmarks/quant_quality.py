@@ -76,7 +76,7 @@ def main() -> None:
     from llmd.daemon.model_source import resolve_model
     from llmd.daemon.tokenizer import load_tokenizer
     from llmd.daemon.quantization import QuantConfig
-    from llmd.daemon.calibration import stdlib_docstrings
+    from llmd.daemon.calibration_text import stdlib_docstrings
 
     source = resolve_model(None)
 

@@ -4,40 +4,17 @@ Requantising to INT4 (a float checkpoint, or GGUF blocks into coarser groups) fi
 scale and min to minimise the error weighted by the mean squared activation of each input feature
 (:func:`llmd.quant.int4_fit.quantize_int4_fitted`, as llama.cpp's importance matrix). The
 activations come from one forward pass over a fixed text every machine has: the docstrings of a
-list of standard-library modules. That list is disjoint from the text
+list of standard-library modules (llmd.daemon.calibration_text). That list is disjoint from the text
 ``benchmarks/quant_quality.py`` measures perplexity on, so the gate is not measured on its own
 calibration data.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import nn
-
-CALIBRATION_MODULES = ("abc", "asyncio", "base64", "contextlib", "copy", "csv", "datetime", "decimal", "enum",
-                       "fractions", "glob", "hashlib", "heapq", "io", "ipaddress", "operator", "pprint", "queue",
-                       "random", "shutil")
-CALIBRATION_TOKENS = 512
-
-
-def stdlib_docstrings(modules: Sequence[str]) -> str:
-    """The docstrings of ``modules`` and of their public functions and classes, in a fixed order."""
-    parts = []
-    for name in modules:
-        module = importlib.import_module(name)
-        parts.append(inspect.getdoc(module) or "")
-        for _, obj in sorted(vars(module).items()):
-            if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == name:
-                parts.append(inspect.getdoc(obj) or "")
-    return "\n\n".join(p for p in parts if p)
-
-
-def calibration_ids(tokenizer, num_tokens: int = CALIBRATION_TOKENS) -> list[int]:
-    return [int(t) for t in tokenizer.encode(stdlib_docstrings(CALIBRATION_MODULES))][:num_tokens]
 
 
 @torch.inference_mode()

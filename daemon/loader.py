@@ -59,7 +59,8 @@ def _importance(model: LlamaForCausalLM, source: ModelSource, paths: list[str]) 
     """Calibration for INT4 requantisation (llmd.daemon.calibration); none if there is no tokenizer."""
     from llmd.daemon.tokenizer import load_tokenizer
     from llmd.errors import LlmdError
-    from llmd.daemon.calibration import calibration_ids, projection_importance
+    from llmd.daemon.calibration import projection_importance
+    from llmd.daemon.calibration_text import calibration_ids
 
     start = time.perf_counter()
     try:

@@ -34,7 +34,7 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64)]
+                ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64), ("k_centre", c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -117,10 +117,23 @@ class DecodeStep:
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, 0, 0, threads, eps,
                              scale, f32(inv_freq), f32(final_norm), self._layers)
         self._keep = keep
+        self._centres: list[torch.Tensor] = []
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._need: dict[int, int] = {}  # workspace bytes by row count
         self.hidden = hidden
+
+    def centre_keys(self, centres: list[torch.Tensor] | None) -> None:
+        """Subtract ``centres[layer]`` (``[num_kv_heads, head_dim]``) from every key before it is stored,
+        or nothing (None): an int8 cache's key centring (llmd.daemon.key_centres)."""
+        if centres is not None and len(centres) != len(self._layers):
+            raise ValueError(f"{len(centres)} key centres for {len(self._layers)} layers")
+        kv_size = self._model.num_kv_heads * self._model.head_dim
+        self._centres = [] if centres is None else [c.detach().float().reshape(-1).contiguous() for c in centres]
+        if any(c.numel() != kv_size for c in self._centres):
+            raise ValueError(f"key centres must have num_kv_heads x head_dim = {kv_size} values")
+        for i, struct in enumerate(self._layers):
+            struct.k_centre = self._centres[i].data_ptr() if self._centres else None
 
     def bind_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point the layers at a KV cache (per layer ``[num_blocks, block_size, kv_heads, row]`` K and V,

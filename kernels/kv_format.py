@@ -12,8 +12,10 @@ so a per-block scale would have to be fixed before its later rows exist; and an 
 spoils only its own row. fp16 for the scale (not fp32) keeps a row of the default model's 64 values
 at 66 bytes against bf16's 128: 1.94x the tokens in the same memory (an fp32 scale: 68 bytes, 1.88x).
 NOTE: keys lose the most (a few channels of a key row are ~10x the rest, and the row's one scale
-follows them: README "The KV cache" has the measurements); scales per 32 or 16 of a key's values, or
-channels evened out before quantising, are what to try next.
+follows them), so an int8 cache stores keys less a fixed vector per layer and KV head that takes most
+of those channels' size away, which attention does not see (llmd.daemon.engine.key_centres; README
+"The KV cache" has the measurements). Scales per 32 of a key's values helped about as much and cost
+bytes.
 
 Everything that writes or reads a cache goes through the layout named here: the torch reference
 (llmd.kernels.attention_ref), the native CPU kernels (kernels/cpu/paged_attention.c and

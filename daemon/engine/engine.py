@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from llmd.config import OPTIONS
+from llmd.daemon.calibration_text import calibration_ids
 from llmd.daemon.engine.detokenizer import RequestDetokenizer
 from llmd.daemon.engine.draft_model import DraftModel, forward_cost
+from llmd.daemon.engine.key_centres import CENTRE_TOKENS, measure_key_centres
 from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
@@ -144,6 +146,11 @@ class LLMEngine:
         self.cache_dtype = config.cache_dtype(model.dtype)
         if reason := backend.unsupported_cache(self.cache_dtype, model.dtype):
             raise ValueError(reason)
+        # an int8 cache stores keys centred (key_centres.py): measured once, set again on a reloaded model
+        self._draft_key_centres: list[torch.Tensor] | None = None
+        self._key_centres = self._measure_centres(model, self.cache_dtype)
+        if self._key_centres is not None:
+            model.centre_keys(self._key_centres)
         self.runner: ModelRunner | None = ModelRunner(model, config.block_size, config.max_num_seqs, self.max_model_len,
                                                         config.cuda_graphs, self.cache_dtype)
         self.num_blocks = config.num_blocks or self._blocks_for_budget()
@@ -156,6 +163,9 @@ class LLMEngine:
         self.draft_pass_cost = 0.0
         if draft_model is not None:
             self._check_draft(model, draft_model)
+            self._draft_key_centres = self._measure_centres(draft_model, config.cache_dtype(draft_model.dtype))
+            if self._draft_key_centres is not None:
+                draft_model.centre_keys(self._draft_key_centres)
             self.drafter = DraftModel(draft_model, config.block_size, self.num_blocks, self.vocab_size,
                                       cache_dtype=config.cache_dtype(draft_model.dtype))
             self.draft_pass_cost = forward_cost(draft_model.config) / forward_cost(model.config)
@@ -205,7 +215,11 @@ class LLMEngine:
                                               else "has no draft model"))
         if draft_model is not None:
             self._check_draft(model, draft_model)
+            if self._draft_key_centres is not None:
+                draft_model.centre_keys(self._draft_key_centres)
             self.drafter.load(draft_model)
+        if self._key_centres is not None:
+            model.centre_keys(self._key_centres)
         self.model = model
         self.runner = ModelRunner(model, self.config.block_size, self.config.max_num_seqs, self.max_model_len,
                                   self.config.cuda_graphs, self.cache_dtype)
@@ -218,6 +232,17 @@ class LLMEngine:
         bind_decode_step(self.model, self.runner.kv_caches)
         if self.runner.device.type == "cuda" and self.model.attn_backend.name == "triton":
             self.runner.warm_up(self.config.max_batched_tokens)
+
+    def _measure_centres(self, model: LlamaForCausalLM, cache_dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The key centres an int8 cache stores keys by (None for other caches), on the calibration
+        text (or, without a tokenizer, its first tokens' ids). NOTE: other caches leave a model's
+        centres as they are: centring is exact for any cache (a model shared by two engines in tests
+        and benchmarks keeps them), as long as one cache's keys are all stored one way."""
+        if cache_dtype != torch.int8:
+            return None
+        limit = min(CENTRE_TOKENS, model.config.max_position_embeddings)
+        ids = calibration_ids(self.tokenizer, limit) if self.tokenizer is not None else []
+        return measure_key_centres(model, ids or list(range(min(limit, model.config.vocab_size))))
 
     def _check_draft(self, model: LlamaForCausalLM, draft_model: LlamaForCausalLM) -> None:
         """A draft model runs beside the target: same device, a vocabulary at least the target's, a KV

@@ -75,6 +75,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        # [num_kv_heads, head_dim] fp32 subtracted from keys before they are stored: an int8 cache's
+        # key centring (llmd.daemon.key_centres); None for other caches
+        self.key_centre: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rotate: Rotate, kv_cache: KVCache, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -86,6 +89,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, k)
+        if self.key_centre is not None:  # in fp32: the int8 writers quantise from fp32
+            k = k.float() - self.key_centre
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -317,6 +322,36 @@ class LlamaForCausalLM(nn.Module):
                 reason = str(e)
         if reason is not None:
             log.info("decode steps run layer by layer: %s", reason)
+        centres = [layer.self_attn.key_centre for layer in self.model.layers]
+        if centres[0] is not None and self.decode_step is not None:  # a new step stores keys as the layers do
+            if isinstance(self.decode_step, DecodeStep):
+                self.decode_step.centre_keys(centres)
+            else:
+                self.decode_step = None
+                log.info("decode steps run layer by layer: the fused Triton step does not centre keys")
+
+    def centre_keys(self, centres: list[torch.Tensor] | None) -> None:
+        """Subtract ``centres[layer]`` (``[num_kv_heads, head_dim]``) from every key the model stores from
+        now on, on every path (layer by layer and the fused decode step), or nothing (None). Attention
+        is unchanged by it (llmd.daemon.key_centres); an int8 cache keeps more of the keys.
+
+        Raises:
+            ValueError: centres of the wrong shape, or a fused decode step that cannot take them.
+        """
+        layers = self.model.layers
+        shape = (self.config.num_kv_heads, self.config.head_dim)
+        if centres is not None and (len(centres) != len(layers) or any(tuple(c.shape) != shape for c in centres)):
+            raise ValueError(f"key centres must be {len(layers)} tensors of {shape[0]}x{shape[1]}")
+        step = self.decode_step
+        if step is not None:
+            if not isinstance(step, DecodeStep):
+                if centres is not None:
+                    raise ValueError("the fused Triton decode step does not centre keys")
+            else:
+                step.centre_keys(centres)
+        device = self.model.embed_tokens.weight.device
+        for i, layer in enumerate(layers):
+            layer.self_attn.key_centre = None if centres is None else centres[i].detach().float().to(device)
 
     def _projections(self) -> Iterable[nn.Module]:
         for layer in self.model.layers:

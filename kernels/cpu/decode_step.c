@@ -44,6 +44,8 @@ typedef struct {
     llmd_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, row]: rows of cache_kind (kv_row.h) */
     int64_t window;          /* sliding window, 0 for none */
+    const float *k_centre;   /* [num_kv_heads * head_dim] subtracted from keys before they are stored, or NULL
+                              * (an int8 cache's key centring: llmd.daemon.key_centres) */
 } llmd_layer;
 
 typedef struct {
@@ -208,6 +210,8 @@ int llmd_decode_step(const llmd_model *md, float *x, int64_t M, const int64_t *p
                 rope_row(qr, NH, D, b.cos + m * half, b.sin + m * half);
                 rope_row(kr, KVH, D, b.cos + m * half, b.sin + m * half);
                 if (slots[m] >= 0) { /* a negative slot: a padding row, which writes nothing */
+                    if (ly->k_centre) /* kr is not read again: attention reads the stored rows */
+                        for (int64_t i = 0; i < kv_size; i++) kr[i] -= ly->k_centre[i];
                     char *kd = (char *)ly->k_cache + slots[m] * token_bytes, *vd = (char *)ly->v_cache + slots[m] * token_bytes;
                     for (int64_t h = 0; h < KVH; h++) { /* a row per KV head (an int8 row's scale is its own) */
                         llmd_kv_store_row(kd + h * row_bytes, kr + h * D, D, kind);
