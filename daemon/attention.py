@@ -179,9 +179,9 @@ class TritonAttentionBackend:
         return self._kernels.unsupported(block_size, head_dim, dtype)
 
     def unsupported_cache(self, cache_dtype: torch.dtype, model_dtype: torch.dtype) -> str | None:
-        if cache_dtype != model_dtype:
-            return (f"the Triton attention kernels read a KV cache of the model's dtype ({str(model_dtype)[6:]}), "
-                    f"not {str(cache_dtype)[6:]}; use --kv-cache-dtype auto or --attention torch")
+        if cache_dtype not in (model_dtype, torch.int8):
+            return (f"the Triton attention kernels read a KV cache of the model's dtype ({str(model_dtype)[6:]}) or "
+                    f"int8, not {str(cache_dtype)[6:]}; use --kv-cache-dtype auto or --attention torch")
         return None
 
     def forward(

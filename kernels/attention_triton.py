@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmd.kernels.kv_format import head_dim_of
 from llmd.kernels.launch import arrival_counters, next_power_of_2, workspace
 
 MIN_BLOCK = 16  # tl.dot needs every operand dimension >= 16
@@ -86,12 +87,53 @@ MAX_SPLITS = 16
 LOG2E = 1.4426950408889634
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = (*_DTYPES, torch.int8)  # int8: rows of values and an fp16 scale (llmd.kernels.kv_format)
 
 
 @triton.jit
-def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
+def _round_half_even(y):
+    """``y`` rounded to the nearest integer, ties to even (as torch.round and the C kernels)."""
+    r = tl.floor(y + 0.5)
+    odd = r - 2.0 * tl.floor(r * 0.5) != 0.0
+    return tl.where((r - y == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _store_int8_rows(cache_ptr, scale_ptr, row_off, d, mask, x, HEAD_DIM: tl.constexpr):
+    """Rows ``x [R, BLOCK_D]`` (fp32) as int8 cache rows at ``row_off [R]`` (elements of the int8
+    cache), as llmd.kernels.kv_format.quantize_rows writes them: the values, then the row's scale
+    (amax / 127 rounded up to an fp16) in its last two bytes, through ``scale_ptr``, the cache
+    viewed as int16 (rows and head sizes are even, so the scale is 2-byte aligned)."""
+    want = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1) / 127.0
+    scale = want.to(tl.float16)
+    bits = scale.to(tl.int16, bitcast=True)
+    scale = tl.where(scale.to(tl.float32) < want, bits + 1, bits).to(tl.float16, bitcast=True)
+    s = scale.to(tl.float32)
+    y = tl.math.div_rn(x, tl.where(s > 0, s, 1.0)[:, None])  # IEEE division, as torch's
+    q = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
+    q = tl.where(s[:, None] > 0, q, 0.0)
+    tl.store(cache_ptr + row_off[:, None] + d[None, :], q.to(tl.int8), mask=mask)
+    row_mask = tl.max(mask.to(tl.int32), axis=1) > 0
+    tl.store(scale_ptr + (row_off + HEAD_DIM) // 2, scale.to(tl.int16, bitcast=True), mask=row_mask)
+
+
+@triton.jit
+def _load_rows(cache_ptr, scale_ptr, row_off, d, mask, row_mask, dtype, INT8: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Cached rows ``[R, BLOCK_D]`` at ``row_off [R]``, 0 where not ``mask``: as they are, or an int8
+    cache's dequantised (values times the row's fp16 scale, in fp32, as kv_format.dequantize_rows)
+    and cast to ``dtype``."""
+    if INT8:
+        values = tl.load(cache_ptr + row_off[:, None] + d[None, :], mask=mask, other=0).to(tl.float32)
+        scale = tl.load(scale_ptr + (row_off + HEAD_DIM) // 2, mask=row_mask, other=0)
+        return (values * scale.to(tl.float16, bitcast=True).to(tl.float32)[:, None]).to(dtype)
+    else:
+        return tl.load(cache_ptr + row_off[:, None] + d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, block_size,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, INT8: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -103,11 +145,15 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, blo
     mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < width)
     block = slot // block_size
     offset = slot % block_size
-    dst = block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
+    row = block * stride_cb + offset * stride_cs + h * stride_ch
     k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if INT8:
+        _store_int8_rows(k_cache_ptr, k_scale_ptr, row, d, mask, k.to(tl.float32), HEAD_DIM)
+        _store_int8_rows(v_cache_ptr, v_scale_ptr, row, d, mask, v.to(tl.float32), HEAD_DIM)
+    else:
+        tl.store(k_cache_ptr + row[:, None] + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + row[:, None] + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -134,18 +180,19 @@ def _attend_block(q, k, v, visible, m_i, l_i, acc, scale_log2):
 
 
 @triton.jit
-def _load_kv_block(k_cache_ptr, v_cache_ptr, block_table_ptr, blk, kv_head, seq_len, n, d, mask_d,
-                   stride_cb, stride_cs, stride_ch, BLOCK_N: tl.constexpr):
+def _load_kv_block(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, blk, kv_head, seq_len, n,
+                   d, mask_d, stride_cb, stride_cs, stride_ch, dtype, INT8: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     """The K and V tiles ``[BLOCK_N, BLOCK_D]`` of a sequence's ``blk``-th block (through its block
-    table row), and the positions of their keys."""
+    table row; an int8 cache's dequantised to ``dtype``), and the positions of their keys."""
     block_id = tl.load(block_table_ptr + blk).to(tl.int64)
-    kv_off = block_id * stride_cb + n[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+    row_off = block_id * stride_cb + n * stride_cs + kv_head * stride_ch
     k_pos = blk * BLOCK_N + n
     # Slots past seq_len hold stale data: K there is masked out of the scores anyway, but V must be
     # loaded as 0, as a stale inf or NaN times probability 0 is NaN in P @ V.
     in_seq = (k_pos < seq_len)[:, None] & mask_d[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=in_seq, other=0.0)
-    v = tl.load(v_cache_ptr + kv_off, mask=in_seq, other=0.0)
+    k = _load_rows(k_cache_ptr, k_scale_ptr, row_off, d, in_seq, k_pos < seq_len, dtype, INT8, HEAD_DIM)
+    v = _load_rows(v_cache_ptr, v_scale_ptr, row_off, d, in_seq, k_pos < seq_len, dtype, INT8, HEAD_DIM)
     return k, v, k_pos
 
 
@@ -180,13 +227,14 @@ def _rope_tile(ptr, offs, offs_p, mask, d, cos, sin, norm_ptr, eps, HEAD_DIM: tl
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])  # both change step by step
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
                    pos_ptr, slot_ptr, inv_freq_ptr, q_norm_ptr, k_norm_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
                    scale_log2, window, eps, num_splits,
                    stride_qt, stride_qh, stride_bt,
                    stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr, NEW_KV: tl.constexpr,
-                   QK_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                   QK_NORM: tl.constexpr, INT8: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -226,8 +274,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for blk in range(start, end):
-        k, v, k_pos = _load_kv_block(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, blk, kv_head,
-                                     context, n, d, mask_d, stride_cb, stride_cs, stride_ch, BLOCK_N)
+        k, v, k_pos = _load_kv_block(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                     block_tables_ptr + seq * stride_bt, blk, kv_head, context, n, d, mask_d,
+                                     stride_cb, stride_cs, stride_ch, q_ptr.dtype.element_ty, INT8, HEAD_DIM, BLOCK_N)
         visible = k_pos < context
         if SLIDING:
             visible &= q_pos - k_pos < window
@@ -319,10 +368,11 @@ def _finish_splits(m_i, l_i, acc, out_ptr, part_ptr, lse_ptr, count_ptr, seq, kv
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes step by step
-def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-                   scale_log2, window,
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
+                   query_start_ptr, out_ptr, scale_log2, window,
                    stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr, BLOCK_T: tl.constexpr,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr, INT8: tl.constexpr,
+                   BLOCK_T: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr):
     # One program per (sequence, KV head, BLOCK_T new tokens): its rows are those tokens times the
     # GROUP query heads that share the KV head (row r: token r // BLOCK_G, head r % BLOCK_G), so
@@ -366,8 +416,8 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         # Slots past seq_len hold stale data: K there is masked out of the scores anyway, but V must
         # be loaded as 0, as a stale inf or NaN times probability 0 is NaN in P @ V.
         kv_mask = in_seq[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = _load_rows(k_cache_ptr, k_scale_ptr, kv_off, d, kv_mask, in_seq, q_ptr.dtype.element_ty, INT8, HEAD_DIM)
+        v = _load_rows(v_cache_ptr, v_scale_ptr, kv_off, d, kv_mask, in_seq, q_ptr.dtype.element_ty, INT8, HEAD_DIM)
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
         if SLIDING:
             visible &= q_pos[:, None] - k_pos[None, :] < window
@@ -389,8 +439,19 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"{tuple(v_cache.shape)} {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if reason := unsupported(k_cache.shape[1], k_cache.shape[3], k_cache.dtype):
+    if k_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"the KV cache must be float16, bfloat16, float32 or int8, got {k_cache.dtype}")
+    head_dim = head_dim_of(k_cache)
+    if k_cache.dtype == torch.int8 and head_dim % 2:
+        raise ValueError(f"an int8 KV cache needs an even head_dim (its scales are 2-byte aligned), got {head_dim}")
+    if reason := unsupported(k_cache.shape[1], head_dim):
         raise ValueError(reason)
+
+
+def _scales(cache: torch.Tensor) -> torch.Tensor:
+    """What the kernels read an int8 cache's row scales through: the cache viewed as int16 (the
+    cache itself for other dtypes, never read then)."""
+    return cache.view(torch.int16) if cache.dtype == torch.int8 else cache
 
 
 def unsupported(block_size: int, head_dim: int | None = None, dtype: torch.dtype | None = None) -> str | None:
@@ -400,7 +461,7 @@ def unsupported(block_size: int, head_dim: int | None = None, dtype: torch.dtype
     if head_dim is not None and head_dim > MAX_HEAD_DIM:
         return f"the Triton attention kernels support head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
     if dtype is not None and dtype not in _DTYPES:
-        return f"the KV cache must be float16, bfloat16 or float32, got {dtype}"
+        return f"the Triton attention kernels compute in float16, bfloat16 or float32, got {dtype}"
     return None
 
 
@@ -416,7 +477,7 @@ def _check_tokens(name: str, x: torch.Tensor, heads: int | None, head_dim: int, 
 
 def _check_query(query: torch.Tensor, k_cache: torch.Tensor) -> int:
     """Checks q against the (checked) cache and returns the GQA group size."""
-    num_kv_heads, head_dim = k_cache.shape[2:]
+    num_kv_heads, head_dim = k_cache.shape[2], head_dim_of(k_cache)
     _check_tokens("query", query, None, head_dim, k_cache.device)
     if query.dtype not in _DTYPES:
         raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
@@ -442,7 +503,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     """Store each new token's K and V in its slot (``attention_ref.write_kv``); a negative slot is
     skipped. ``key``/``value``: ``[T, num_kv_heads, head_dim]``, last dimension contiguous."""
     _check_cache(k_cache, v_cache)
-    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2], head_dim_of(k_cache)
     _check_tokens("key", key, num_kv_heads, head_dim, k_cache.device)
     _check_tokens("value", value, num_kv_heads, head_dim, k_cache.device)
     if slot_mapping.shape != (key.shape[0],) or value.shape[0] != key.shape[0]:
@@ -450,10 +511,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     if key.shape[0] == 0:
         return
     _write_kv_kernel[(key.shape[0],)](
-        key, value, k_cache, v_cache, slot_mapping, k_cache.shape[1],
+        key, value, k_cache, v_cache, _scales(k_cache), _scales(v_cache), slot_mapping, k_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, INT8=k_cache.dtype == torch.int8,
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
     )
 
@@ -475,9 +536,9 @@ def _check_decode_batch(batch: int, block_tables: torch.Tensor, seq_lens: torch.
 
 
 def _decode_kwargs(group: int, head_dim: int, block_size: int, sliding: bool, new_kv: bool, qk_norm: bool,
-                   device: torch.device) -> dict:
+                   device: torch.device, int8: bool = False) -> dict:
     """The decode kernel's constexprs and warps."""
-    return dict(GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv, QK_NORM=qk_norm,
+    return dict(GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv, QK_NORM=qk_norm, INT8=int8,
                 BLOCK_G=max(MIN_BLOCK, next_power_of_2(group)), BLOCK_D=_block_d(head_dim), BLOCK_N=block_size,
                 num_warps=TURING_DECODE_NUM_WARPS if _capability(device) < (8, 0) else 4)
 
@@ -519,10 +580,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return out
     part, lse, counters = _scratch(query.device, batch, num_heads, num_kv_heads, num_splits, _block_d(head_dim))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, seq_lens, seq_lens, part, query, query, out, part, lse,
-        counters, scale * LOG2E, window, 0.0, num_splits, query.stride(0), query.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-        **_decode_kwargs(group, head_dim, block_size, sliding, False, False, query.device))
+        query, k_cache, v_cache, _scales(k_cache), _scales(v_cache), block_tables, seq_lens, seq_lens, seq_lens, part,
+        query, query, out, part, lse, counters, scale * LOG2E, window, 0.0, num_splits, query.stride(0),
+        query.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        **_decode_kwargs(group, head_dim, block_size, sliding, False, False, query.device, k_cache.dtype == torch.int8))
     return out
 
 
@@ -678,8 +740,9 @@ class NewTokenDecode:
         kwargs = self._kwargs
 
         def launch(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, out, stride_bt):
-            kernel(qkv, k_cache, v_cache, block_tables, seq_lens, positions, slots, self.inv_freq, q_norm, k_norm,
-                   out, part, lse, counters, *constants, row, head, stride_bt, *cache_strides, out_row, head, **kwargs)
+            kernel(qkv, k_cache, v_cache, k_cache, v_cache, block_tables, seq_lens, positions, slots, self.inv_freq,
+                   q_norm, k_norm, out, part, lse, counters, *constants, row, head, stride_bt, *cache_strides, out_row,
+                   head, **kwargs)
 
         self._launches[(batch, num_splits)] = launch
         return launch
@@ -764,10 +827,11 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_kv_heads = k_cache.shape[2]
     grid = (num_seqs, num_kv_heads, math.ceil(max_query_len / block_t))
     _extend_kernel[grid](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E, window,
-        query.stride(0), query.stride(1), block_tables.stride(0),
+        query, k_cache, v_cache, _scales(k_cache), _scales(v_cache), block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E, window, query.stride(0), query.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding, BLOCK_T=block_t, BLOCK_G=block_g,
-        BLOCK_D=_block_d(head_dim), BLOCK_N=block_n, KV_BLOCK=k_cache.shape[1], num_warps=EXTEND_NUM_WARPS,
+        GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding, INT8=k_cache.dtype == torch.int8, BLOCK_T=block_t,
+        BLOCK_G=block_g, BLOCK_D=_block_d(head_dim), BLOCK_N=block_n, KV_BLOCK=k_cache.shape[1],
+        num_warps=EXTEND_NUM_WARPS,
     )
     return out

@@ -155,6 +155,10 @@ class DecodeStep:
         """The KV cache the steps read and write (one ``(K, V)`` per layer)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"a KV cache of {len(kv_caches)} layers for a model of {len(self.layers)}")
+        if kv_caches and kv_caches[0][0].dtype == torch.int8:
+            # NOTE: its attention writes the new K/V rows itself (NewTokenDecode), in the model's
+            # dtype only; an int8 cache's steps go layer by layer (the write and attention kernels)
+            raise ValueError("the fused Triton decode step writes KV caches of the model's dtype, not int8")
         self._caches = kv_caches
         self._programs.clear()  # bound to the old cache
 

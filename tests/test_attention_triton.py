@@ -153,6 +153,59 @@ def test_write_kv_matches_reference(dtype: torch.dtype) -> None:
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def test_int8_write_kv_is_the_references_bytes() -> None:
+    """An int8 cache (llmd.kernels.kv_format): the kernel quantises each new row as the reference does,
+    bit for bit: rows of every magnitude (subnormal fp16 scales), zeros, ties of round-half-even, a
+    head size the tile pads (80 in 128), fp32 and fp16 inputs; a padding slot writes nothing."""
+    g = torch.Generator().manual_seed(8)
+    num_kv_heads, head_dim, tokens = 3, 80, 40
+    for dtype in (torch.float32, torch.float16):
+        key = torch.randn(tokens, num_kv_heads, head_dim, generator=g) * torch.logspace(-5, 3, tokens)[:, None, None]
+        value = torch.randn(tokens, num_kv_heads, head_dim, generator=g)
+        key[0], key[1, :, :] = 0.0, 2.5  # a zero row; a row of ties (2.5 / (2.5 / 127) = 127 exactly, others)
+        value[2, 0, :4] = torch.tensor([127.0, -63.5, 0.5, -0.5])
+        key, value = key.to(dtype), value.to(dtype)
+        slots = torch.randperm(4 * 16, generator=g)[:tokens]
+        slots[5] = -1
+        shape = (4, 16, num_kv_heads, head_dim + 2)
+        want_k, want_v = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+        keep = slots >= 0
+        ref.write_kv(want_k, want_v, key[keep], value[keep], slots[keep])
+        k_cache, v_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+        at.write_kv(k_cache, v_cache, key, value, slots)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), dtype
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"),
+                         [CASES[0], CASES[1], CASES[4]], ids=case_id)
+def test_int8_cache_decode_and_extend_match_reference(num_kv_heads: int, group: int, head_dim: int,
+                                                      block_size: int, dtype: torch.dtype) -> None:
+    """The decode kernel (every split count) and the extend kernel (chunks after cached prefixes, a
+    window) over an int8 cache, against the reference reading the same int8 rows."""
+    from llmd.kernels import kv_format
+
+    query_lens, seq_lens = [1, 7, 16, 3], [40, 30, 16, 100]
+    batch = paged_batch(query_lens, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=head_dim)
+    batch.k_cache = kv_format.to_cache(batch.k_cache.float() * 3, torch.int8)
+    batch.v_cache = kv_format.to_cache(batch.v_cache.float(), torch.int8)
+    scale = head_dim ** -0.5
+    for window in (None, 9):
+        expected = ref.paged_attention(batch.query.float(), batch.k_cache, batch.v_cache, batch.query_lens,
+                                       batch.seq_lens, batch.block_tables, scale, window)
+        assert max_err(run_extend(batch, window), expected) < TOLERANCE[dtype], window
+    decode = paged_batch([1] * len(SEQ_LENS), SEQ_LENS, num_kv_heads, group, head_dim, block_size, dtype, seed=3)
+    decode.k_cache = kv_format.to_cache(decode.k_cache.float() * 3, torch.int8)
+    decode.v_cache = kv_format.to_cache(decode.v_cache.float(), torch.int8)
+    expected = ref.decode_attention(decode.query.float(), decode.k_cache, decode.v_cache, decode.seq_lens,
+                                    decode.block_tables, scale)
+    for splits in (None, 1, 3):
+        assert max_err(run_decode(decode, None, splits), expected) < TOLERANCE[dtype], splits
+    # a canary: the same rows read as if every scale were 1.5x: far outside the tolerance
+    scales = decode.k_cache[..., -2:].contiguous().view(torch.float16)
+    decode.k_cache[..., -2:] = (scales * 1.5).view(torch.int8)
+    assert max_err(run_decode(decode), expected) > 20 * TOLERANCE[dtype]
+
+
 def test_stale_inf_and_nan_past_the_sequence_stay_out() -> None:
     # A reused block keeps what its last owner wrote; an fp16 overflow there (inf) or NaN must not
     # reach a sequence whose keys end before it (probability 0 times inf is NaN).
@@ -301,7 +354,7 @@ def test_invalid_inputs_raise() -> None:
         (dict(query=torch.randn(2, 4, 32)), "query must be"),
         (dict(query=batch.query.to(torch.int32)), "float16, bfloat16 or float32"),
         (dict(k_cache=batch.k_cache[:, :8].contiguous(), v_cache=batch.v_cache[:, :8].contiguous()), "block size"),
-        (dict(k_cache=batch.k_cache.double(), v_cache=batch.v_cache.double()), "float16, bfloat16 or float32"),
+        (dict(k_cache=batch.k_cache.double(), v_cache=batch.v_cache.double()), "float16, bfloat16, float32 or int8"),
         (dict(v_cache=batch.v_cache.half()), "one shape and dtype"),
         (dict(k_cache=batch.k_cache.transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
         (dict(seq_lens=batch.seq_lens_t[:1]), "seq_lens"),
@@ -360,29 +413,39 @@ for arch in ARCHS:
     for dt, torch_dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
         if (dt == "bf16" and arch < 80) or (dt == "fp32" and arch != 80):
             continue
-        cache = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", out_ptr=f"*{dt}")
-        sig = dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", slot_ptr="*i64",
-                   block_size="i32", stride_kt="i32", stride_kh="i32", stride_vt="i32", stride_vh="i32",
-                   stride_cb="i32", stride_cs="i32", stride_ch="i32")
-        kernels = [("write_kv", compile_for(at._write_kv_kernel, sig,
-                                            dict(NUM_KV_HEADS=3, HEAD_DIM=80, BLOCK_H=4, BLOCK_D=128), arch,
-                                            aligned(sig)))]
-        for new_kv, sliding in ((False, False), (True, True)):  # the split count is a runtime argument
-            sig = dict(common, **cache, pos_ptr="*i64", slot_ptr="*i64", inv_freq_ptr="*fp32", q_norm_ptr=f"*{dt}",
-                       k_norm_ptr=f"*{dt}", part_ptr="*fp32", lse_ptr="*fp32", count_ptr="*i32", eps="fp32",
-                       num_splits="i32")
-            kernels.append((f"decode new_kv={new_kv} window={sliding}", compile_for(
-                at._decode_kernel, sig, dict(GROUP=8, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv,
-                                             QK_NORM=new_kv, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n),
-                arch, aligned(sig), num_warps=at.TURING_DECODE_NUM_WARPS if arch < 80 else 4)))
-            sig = dict(common, **cache, query_start_ptr="*i32")
-            for group in (1, 3):  # tiles of 64 tokens x 1 head, 16 x 4 (a group of 3 padded to 4)
-                block_t, block_g, keys = at.extend_tile(4096, group, torch_dtype, (arch // 10, arch % 10))
-                kernels.append((f"extend window={sliding} {block_t}x{block_g} rows, {keys} keys", compile_for(
-                    at._extend_kernel, sig, dict(GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding, BLOCK_T=block_t,
-                                                 BLOCK_G=block_g, BLOCK_D=head_dim, BLOCK_N=keys,
-                                                 KV_BLOCK=block_n), arch, aligned(sig),
-                    num_warps=at.EXTEND_NUM_WARPS)))
+        kernels = []
+        # an int8 cache (rows of values and an fp16 scale, read through an int16 view) on sm_80 bf16
+        for int8 in (False, True) if (arch, dt) == (80, "bf16") else (False,):
+            kv = "i8" if int8 else dt
+            scales = dict(k_scale_ptr="*i16" if int8 else f"*{dt}", v_scale_ptr="*i16" if int8 else f"*{dt}")
+            cache = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", out_ptr=f"*{dt}", **scales)
+            tag = " int8" if int8 else ""
+            sig = dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", **scales,
+                       slot_ptr="*i64", block_size="i32", stride_kt="i32", stride_kh="i32", stride_vt="i32",
+                       stride_vh="i32", stride_cb="i32", stride_cs="i32", stride_ch="i32")
+            kernels.append(("write_kv" + tag, compile_for(at._write_kv_kernel, sig,
+                                                          dict(NUM_KV_HEADS=3, HEAD_DIM=80, INT8=int8, BLOCK_H=4,
+                                                               BLOCK_D=128), arch, aligned(sig))))
+            for new_kv, sliding in ((False, False), (True, True)):  # the split count is a runtime argument
+                if int8 and new_kv:
+                    continue  # the fused decode step writes the model's dtype only
+                sig = dict(common, **cache, pos_ptr="*i64", slot_ptr="*i64", inv_freq_ptr="*fp32",
+                           q_norm_ptr=f"*{dt}", k_norm_ptr=f"*{dt}", part_ptr="*fp32", lse_ptr="*fp32",
+                           count_ptr="*i32", eps="fp32", num_splits="i32")
+                kernels.append((f"decode new_kv={new_kv} window={sliding}{tag}", compile_for(
+                    at._decode_kernel, sig, dict(GROUP=8, HEAD_DIM=head_dim, SLIDING=sliding, NEW_KV=new_kv,
+                                                 QK_NORM=new_kv, INT8=int8, BLOCK_G=16, BLOCK_D=head_dim,
+                                                 BLOCK_N=block_n),
+                    arch, aligned(sig), num_warps=at.TURING_DECODE_NUM_WARPS if arch < 80 else 4)))
+                sig = dict(common, **cache, query_start_ptr="*i32")
+                for group in (1, 3):  # tiles of 64 tokens x 1 head, 16 x 4 (a group of 3 padded to 4)
+                    block_t, block_g, keys = at.extend_tile(4096, group, torch_dtype, (arch // 10, arch % 10))
+                    kernels.append((f"extend window={sliding} {block_t}x{block_g} rows, {keys} keys{tag}",
+                                    compile_for(at._extend_kernel, sig,
+                                                dict(GROUP=group, HEAD_DIM=head_dim, SLIDING=sliding, INT8=int8,
+                                                     BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_D=head_dim,
+                                                     BLOCK_N=keys, KV_BLOCK=block_n), arch, aligned(sig),
+                                                num_warps=at.EXTEND_NUM_WARPS)))
         for label, kernel in kernels:
             r = ptxas_report(kernel)
             print(label, dt, r)
@@ -396,4 +459,4 @@ for label, dt, r in reports:
 
 def test_kernels_compile_for_every_gpu_generation(tmp_path: Path) -> None:
     out = compile_for_gpu(COMPILE_FOR_GPU, tmp_path)
-    assert out.count("'registers'") == 7 * (5 + 4 + 1), out[-2000:]
+    assert out.count("'registers'") == 7 * (5 + 4 + 1) + 4, out[-2000:]  # + int8: write, decode, 2 extends

@@ -106,6 +106,27 @@ def test_the_native_kernels_generate_what_the_reference_does(model_dir, native: 
     assert engine.stats().prefix_cache_hit_rate > 0
 
 
+def test_the_triton_kernels_generate_what_the_reference_does(model_dir) -> None:
+    """An int8 cache on the Triton backend (the interpreter here): its write, decode and extend kernels
+    give the torch reference's greedy tokens through chunked prompts, prefix hits and mixed steps,
+    keys centred. The fused Triton decode step writes the model's dtype only: decode steps go layer
+    by layer."""
+    pytest.importorskip("triton")
+    from llmd.daemon.attention import TorchAttentionBackend, TritonAttentionBackend
+
+    config = dict(num_blocks=96, block_size=16, max_batched_tokens=24, kv_cache_dtype="int8")
+    # (the interpreter runs each launch's programs one by one: a few short requests)
+    prefix, params = list(range(40, 80)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    requests = [(2 * (i > 0), f"r{i}", prefix[:(i > 0) * 32] + [(7 * i + k) % 250 for k in range(10 + 3 * i)],
+                 params) for i in range(3)]
+    expected = run_engine(make_engine(model_dir, attention=TorchAttentionBackend(), **config), requests)
+    engine = make_engine(model_dir, attention=TritonAttentionBackend(), **config)
+    assert engine.model.decode_step is None and engine.runner.kv_caches[0][0].dtype == torch.int8
+    assert engine.model.model.layers[0].self_attn.key_centre is not None
+    assert run_engine(engine, requests) == expected
+    assert engine.stats().prefix_cache_hit_rate > 0
+
+
 def test_the_pool_holds_twice_the_tokens_of_bf16_in_the_same_memory(model_dir) -> None:
     from llmd.daemon.engine.model_runner import kv_block_bytes
     from llmd.daemon.model_config import ModelConfig
@@ -157,9 +178,10 @@ def test_a_backend_that_cannot_read_the_cache_is_a_clear_error(model_dir) -> Non
     pytest.importorskip("triton")
     from llmd.daemon.attention import TritonAttentionBackend
 
-    reason = TritonAttentionBackend().unsupported_cache(torch.int8, torch.float32)
+    reason = TritonAttentionBackend().unsupported_cache(torch.float16, torch.float32)
     assert "--kv-cache-dtype auto" in reason
     assert TritonAttentionBackend().unsupported_cache(torch.float32, torch.float32) is None
+    assert TritonAttentionBackend().unsupported_cache(torch.int8, torch.bfloat16) is None
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16, int8"):
         make_engine(model_dir, kv_cache_dtype="fp4")
 

@@ -26,6 +26,7 @@ import torch
 
 from llmd.daemon.attention import AttentionMetadata
 from llmd.daemon.engine.model_runner import new_kv_cache
+from llmd.daemon.models.layer_ops import TorchLayerOps
 from llmd.daemon.models.llama import LlamaForCausalLM
 from llmd.kernels import attention_ref
 
@@ -69,13 +70,15 @@ def measure_key_centres(model: LlamaForCausalLM, token_ids: list[int]) -> list[t
     caches = new_kv_cache(model, num_blocks, _BLOCK, torch.float32)
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device), query_lens=[n], seq_lens=[n],
                              block_tables=torch.arange(num_blocks, device=device)[None, :])
-    recorder, backend = _KeyRecorder(), model.attn_backend
+    # NOTE: the torch reference's attention and layer ops: any fixed vector is exact (a few ulps of
+    # the keys are not the point), and they cost least everywhere, the Triton interpreter included
+    recorder, backend, ops = _KeyRecorder(), model.attn_backend, model.layer_ops
     centres = [layer.self_attn.key_centre for layer in model.model.layers]  # the raw keys are measured
-    model.attn_backend = recorder
+    model.attn_backend, model.layer_ops = recorder, TorchLayerOps()
     model.centre_keys(None)
     try:
         model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), caches, meta)
     finally:
-        model.attn_backend = backend
+        model.attn_backend, model.layer_ops = backend, ops
         model.centre_keys(None if centres[0] is None else centres)
     return [(high + low) / 2 for high, low in recorder.ranges]

@@ -335,20 +335,21 @@ class LlamaForCausalLM(nn.Module):
         now on, on every path (layer by layer and the fused decode step), or nothing (None). Attention
         is unchanged by it (llmd.daemon.key_centres); an int8 cache keeps more of the keys.
 
+        A fused Triton decode step, which writes keys itself, is dropped for the layer-by-layer path.
+
         Raises:
-            ValueError: centres of the wrong shape, or a fused decode step that cannot take them.
+            ValueError: centres of the wrong shape.
         """
         layers = self.model.layers
         shape = (self.config.num_kv_heads, self.config.head_dim)
         if centres is not None and (len(centres) != len(layers) or any(tuple(c.shape) != shape for c in centres)):
             raise ValueError(f"key centres must be {len(layers)} tensors of {shape[0]}x{shape[1]}")
         step = self.decode_step
-        if step is not None:
-            if not isinstance(step, DecodeStep):
-                if centres is not None:
-                    raise ValueError("the fused Triton decode step does not centre keys")
-            else:
-                step.centre_keys(centres)
+        if isinstance(step, DecodeStep):
+            step.centre_keys(centres)
+        elif step is not None and centres is not None:  # it writes keys itself, uncentred
+            self.decode_step = None
+            log.info("decode steps run layer by layer: the fused Triton step does not centre keys")
         device = self.model.embed_tokens.weight.device
         for i, layer in enumerate(layers):
             layer.self_attn.key_centre = None if centres is None else centres[i].detach().float().to(device)
