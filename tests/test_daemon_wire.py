@@ -84,6 +84,9 @@ BAD_GENERATES = [
     {"request_id": "a", "messages": [{"role": "user"}]},
     {"request_id": "a", "messages": "hi"},
     {"request_id": "a", "messages": [{"role": "assistant", "content": "hi"}]},  # the template raises
+    {"request_id": "a", "token_ids": [1], "params": {"response_format": {"type": "xml"}}},
+    {"request_id": "a", "token_ids": [1], "params": {"response_format": {"type": "json_schema"}}},
+    {"request_id": "a", "token_ids": [1], "params": {"response_format": {"type": "regex", "regex": "(x"}}},  # compile
 ]
 
 
@@ -137,6 +140,16 @@ def test_a_client_written_from_the_protocol_doc(daemon) -> None:
     assert seen["cancel"] == ["error", "unknown_request"]
     assert seen["tokenize"] == ["tokens", 2]
     assert seen["stats"][0] == "stats" and seen["stats"][1] > 0
+
+
+def test_a_response_format_holds_over_the_wire(daemon) -> None:
+    socket_dir, _ = daemon
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    with Client(socket_dir) as c:
+        result = c.generate("Answer:", stream=False, max_tokens=40, temperature=0.8, seed=3,
+                            response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    assert result.finish_reason == "stop" and 0 <= json.loads(result.text)["n"] <= 99
 
 
 def test_template_errors_in_tokenize_are_typed_too(daemon) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import ollama
@@ -220,6 +221,32 @@ def test_bad_requests_get_openai_shaped_400s(url, model) -> None:
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     r = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=30, content=b"x" * (5 << 20))
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+
+
+def test_structured_output_through_both_apis(url, model) -> None:
+    """The openai SDK's parse() with a Pydantic model (a json_schema response_format) and Ollama's
+    format (a schema, and "json"): a tiny random model's answers parse; a regex that does not compile
+    is a 400 naming it."""
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        age: int = Field(ge=0, le=30)
+
+    completion = sdk(url).chat.completions.parse(model=model, messages=MESSAGES, response_format=Pet,
+                                                 max_tokens=60, temperature=0.7, seed=1)
+    pet = completion.choices[0].message.parsed
+    assert isinstance(pet, Pet) and completion.choices[0].finish_reason == "stop"
+    client = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"})
+    reply = client.chat(model=model, messages=MESSAGES, format=Pet.model_json_schema(),
+                        options={"num_predict": 60, "seed": 2})
+    Pet.model_validate_json(reply.message.content)
+    reply = client.chat(model=model, messages=MESSAGES, format="json", options={"num_predict": 400, "seed": 2,
+                                                                                 "temperature": 0})
+    assert reply.message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        sdk(url).chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
+                                         response_format={"type": "regex", "regex": "(x"})
 
 
 def test_token_is_required(url, model) -> None:

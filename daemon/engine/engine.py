@@ -6,6 +6,7 @@ calls :meth:`LLMEngine.step` in a loop and routes the deltas it returns.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +28,12 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmd.daemon.engine.sequence import FinishReason, Sequence, check_priority
 from llmd.daemon.engine.stats import EngineStats, ThroughputMeter
+from llmd.daemon.engine.structured_output import Grammar, GrammarCompiler
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.errors import PromptTooLongError, RequestError
 from llmd.kernels.kv_format import KV_CACHE_DTYPES
+
+log = logging.getLogger("llmd")
 
 SPECULATIVE_MODES = OPTIONS["speculative"].choices
 KV_CACHE_DTYPE_CHOICES = OPTIONS["kv_cache_dtype"].choices
@@ -38,8 +42,9 @@ KV_CACHE_DTYPE_CHOICES = OPTIONS["kv_cache_dtype"].choices
 def _speculates(params: SamplingParams) -> bool:
     """Whether a request's drafts are verified: greedy or sampled (rejection sampling), with
     penalties (each drafted position's own, ModelRunner._verify) and log-probabilities or without,
-    but not with prompt log-probabilities (such a request computes its whole prompt anyway)."""
-    return params.prompt_logprobs is None
+    but not with prompt log-probabilities (such a request computes its whole prompt anyway) nor
+    with a response format (drafts are not checked against its grammar)."""
+    return params.prompt_logprobs is None and params.response_format is None
 
 
 @dataclass(slots=True)
@@ -179,6 +184,10 @@ class LLMEngine:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._peak_blocks_used = 0  # since take_peak_blocks_used() last ran
+        # structured output: the compiler (made at the first request that needs it) and, by request
+        # id, the grammars of the requests that carry a response format
+        self._compiler: GrammarCompiler | None = None
+        self._grammars: dict[str, Grammar] = {}
 
     @property
     def is_loaded(self) -> bool:
@@ -232,6 +241,13 @@ class LLMEngine:
         bind_decode_step(self.model, self.runner.kv_caches)
         if self.runner.device.type == "cuda" and self.model.attn_backend.name == "triton":
             self.runner.warm_up(self.config.max_batched_tokens)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler, made at the first constrained request (it reads the
+        tokenizer's whole vocabulary: ~0.25 s for the default model's)."""
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._compiler
 
     def _measure_centres(self, model: LlamaForCausalLM, cache_dtype: torch.dtype) -> list[torch.Tensor] | None:
         """The key centres an int8 cache stores keys by (None for other caches), on the calibration
@@ -300,9 +316,12 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} "
                 f"tokens but the {where} holds {self.max_request_tokens}; shorten the prompt or lower max_tokens"
             )
+        grammar = None if params.response_format is None else self._grammar_compiler().grammar(params.response_format)
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, owner=owner,
                        priority=priority)
         self.requests[request_id] = _Request(seq, RequestDetokenizer(self.tokenizer, params.stop))
+        if grammar is not None:
+            self._grammars[request_id] = grammar
         if params.prompt_logprobs is not None:
             self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
         if self.config.speculative != "off" and _speculates(params):
@@ -316,6 +335,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req.seq, FinishReason.ABORT)
+        self._grammars.pop(request_id, None)
         if self.runner is not None:  # unloaded: a queued request has nothing in the runner
             self.runner.release(request_id)
         if self.drafter is not None:
@@ -345,7 +365,7 @@ class LLMEngine:
         start = time.monotonic()
         num_prompt = sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
                          for seq, n in zip(batch.seqs, batch.num_new_tokens))
-        out = self.runner.run(batch)
+        out = self.runner.run(batch, self._grammars, self._compiler)
         sampled, result = out.sampled, out.result
         accepted = self._accept(batch, out.verified, sampled)
         for row, (first, scored) in out.prompt_logprobs.items():
@@ -423,8 +443,15 @@ class LLMEngine:
         seq = req.seq
         pieces: list[str] = []
         reason = None
+        grammar = self._grammars.get(seq.request_id)
         for i, token in enumerate(tokens):
-            text, reason = self._check_stop(req, token, seq.num_output_tokens - (len(tokens) - 1 - i))
+            if grammar is not None and not grammar.accept(token):  # masked out: cannot happen
+                log.error("request %s: token %d is outside its response format; ending it", seq.request_id, token)
+                text, reason = req.detok.flush()[0], FinishReason.STOP
+            elif grammar is not None and grammar.is_terminated:  # the output is complete (its EOS came)
+                text, reason = req.detok.flush()[0], FinishReason.STOP
+            else:
+                text, reason = self._check_stop(req, token, seq.num_output_tokens - (len(tokens) - 1 - i))
             pieces.append(text)
             if reason is not None:
                 extra = len(tokens) - 1 - i  # the tokens after this one, in the token ids already
@@ -441,6 +468,7 @@ class LLMEngine:
             delta.metrics = RequestMetrics.of(seq)
             delta.prompt_logprobs = req.prompt_logprobs
             del self.requests[seq.request_id]
+            self._grammars.pop(seq.request_id, None)
             self.runner.release(seq.request_id)
             if self.drafter is not None:
                 self.drafter.release(seq.request_id)

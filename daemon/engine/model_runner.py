@@ -23,6 +23,7 @@ from llmd.daemon.engine.penalty_counts import uses_counts
 from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler, top_logprobs
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch
+from llmd.daemon.engine.structured_output import Grammar, GrammarCompiler
 from llmd.daemon.engine.sequence import Sequence
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.kernels import kv_format
@@ -258,8 +259,10 @@ class ModelRunner:
         return (host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev), meta, sample_rows,
                 host_tensor(sample_tokens, torch.long, dev), scored)
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        """Run one step (see :class:`StepOutput`)."""
+    def run(self, batch: ScheduledBatch, grammars: dict[str, Grammar] | None = None,
+            compiler: GrammarCompiler | None = None) -> StepOutput:
+        """Run one step (see :class:`StepOutput`); the sampled rows of the requests in ``grammars``
+        (structured output) choose only what their grammar allows (``compiler`` masks them)."""
         ids, pos, meta, sample_rows, sample_tokens, scored = self.prepare(batch)
         if self.cuda_graphs and sum(batch.num_new_tokens) == len(batch.seqs):  # inputs in decode_inputs
             if self._graphs is None:
@@ -277,6 +280,8 @@ class ModelRunner:
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq), seq.request_id)
             for seq in (batch.seqs[r] for r in sample_rows)
         ]
+        if grammars and compiler is not None:
+            compiler.mask(logits, [grammars.get(batch.seqs[r].request_id) for r in sample_rows])
         result = self.sampler(logits, rows)
         for row, token in zip(sample_rows, result.token_ids):
             sampled[row] = token

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from llmd.daemon.engine.structured_output import ResponseFormat
 from llmd.errors import RequestError
 
 MAX_STOP_STRINGS = 16
@@ -47,6 +48,9 @@ class SamplingParams:
         prompt_logprobs: return the log-probability of every prompt token after the first (and
             this many top alternatives), computed in the prefill (None: off). Such a request
             computes its whole prompt: a cached prefix has no logits to report.
+        response_format: what the output must be (structured_output.ResponseFormat, or its wire form,
+            OpenAI's: ``{"type": "json_schema", "json_schema": {"schema": {...}}}``, ``json_object``,
+            ``regex``, ``choice``, ``grammar``; ``text`` or None: anything).
     """
 
     max_tokens: int = 256
@@ -63,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | dict | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -101,6 +106,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        self.response_format = ResponseFormat.parse(self.response_format)
 
     @property
     def greedy(self) -> bool:

@@ -56,12 +56,21 @@ class _Generation(_Body):
     keep_alive: Any = None  # the daemon's --idle-unload decides; accepted and ignored
 
     def check(self) -> None:
-        if self.format not in (None, ""):
-            raise HTTPError(400, "format (structured output) is not supported yet", "unsupported_format")
         if self.tools:
             raise HTTPError(400, "tools are not supported yet", "unsupported_tools")
         if self.images:
             raise HTTPError(400, "images are not supported: this model reads text", "unsupported_content")
+
+
+    def response_format(self) -> dict[str, Any] | None:
+        """Ollama's ``format``: ``"json"`` (any JSON) or a JSON schema, as the daemon's response_format."""
+        if self.format in (None, ""):
+            return None
+        if self.format == "json":
+            return {"type": "json_object"}
+        if isinstance(self.format, dict):
+            return {"type": "json_schema", "json_schema": {"schema": self.format}}
+        raise HTTPError(400, 'format must be "json" or a JSON schema', "invalid_value", param="format")
 
 
 class Message(_Body):
@@ -146,7 +155,8 @@ async def show(body: ShowRequest, request: Request) -> dict[str, Any]:
             "modified_at": (await _entry(backend))["modified_at"]}
 
 
-async def _params(backend: Backend, options: Options) -> tuple[dict[str, Any], int]:
+async def _params(backend: Backend, options: Options, response_format: dict[str, Any] | None = None
+                  ) -> tuple[dict[str, Any], int]:
     """The daemon's sampling params and the request's context limit: ``num_ctx`` is honoured (prompt
     and output within it) or refused when the model holds less, never cut silently."""
     info = await backend.info()
@@ -167,6 +177,8 @@ async def _params(backend: Backend, options: Options) -> tuple[dict[str, Any], i
     if n == 0:
         raise HTTPError(400, "num_predict 0 asks for no tokens", "invalid_value", param="num_predict")
     params["max_tokens"] = limit if n is None or n < 0 else n  # -1: no limit, -2: fill the context
+    if response_format is not None:
+        params["response_format"] = response_format
     return params, limit
 
 
@@ -219,7 +231,7 @@ async def chat(body: ChatRequest, request: Request) -> JSONResponse | StreamingR
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     if any(m.images for m in body.messages):
         raise HTTPError(400, "images are not supported: this model reads text", "unsupported_content")
-    params, limit = await _params(backend, body.options)
+    params, limit = await _params(backend, body.options, body.response_format())
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     return await _answer(request, f"{model}:latest", {"messages": messages}, params, limit, body.stream,
                          lambda text: {"message": {"role": "assistant", "content": text}})
@@ -236,7 +248,7 @@ async def generate(body: GenerateRequest, request: Request) -> JSONResponse | St
     if not body.prompt:
         return JSONResponse({"model": f"{model}:latest", "created_at": _now(), "response": "", "done": True,
                              "done_reason": "load"})
-    params, limit = await _params(backend, body.options)
+    params, limit = await _params(backend, body.options, body.response_format())
     info = await backend.info()
     if body.raw or not info.get("chat_template"):
         source: dict[str, Any] = {"prompt": body.prompt}

@@ -101,9 +101,6 @@ class ChatCompletionRequest(_Sampling):
         if self.tools:
             raise HTTPError(400, "tools are not supported yet: send the request without tools", "unsupported_tools",
                             param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise HTTPError(400, f"response_format {self.response_format.get('type')!r} is not supported yet: "
-                                 "only text", "unsupported_response_format", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", "invalid_value", param="top_logprobs")
 
@@ -115,6 +112,8 @@ class ChatCompletionRequest(_Sampling):
         params = self.params(self.max_completion_tokens or self.max_tokens)
         if self.logprobs:
             params["logprobs"] = self.top_logprobs or 0
+        if self.response_format is not None:  # the daemon checks it (docs/protocol.md: a bad one is a 400)
+            params["response_format"] = self.response_format
         return params
 
 

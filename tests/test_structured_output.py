@@ -1,0 +1,104 @@
+"""Structured output (issue 24, daemon/engine/structured_output.py): a request's response_format holds
+whatever the model is, here a tiny random one that left alone writes noise: JSON that parses and
+matches its schema, a regex's match, one of the choices; bad formats are clear errors; rows without
+a constraint in the same steps are untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from tiny_models import make_engine, make_hf_model, save_hf_model
+
+from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.engine.structured_output import ResponseFormat
+from llmd.errors import RequestError
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "pet": {"enum": ["cat", "dog"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("structured") / "m", with_tokenizer=True)
+
+
+def texts(engine, params: list[SamplingParams]) -> list[str]:
+    """The requests' texts (as the engine detokenizes them: an ending EOS not shown); every second
+    request joins a step later."""
+    out = {f"r{i}": "" for i in range(len(params))}
+    pending = [(i % 2, f"r{i}", [(5 * i + k) % 200 + 3 for k in range(6)], p) for i, p in enumerate(params)]
+    step = 0
+    while pending or engine.has_unfinished():
+        for arrival, rid, ids, p in [r for r in pending if r[0] <= step]:
+            engine.add_request(rid, ids, p)
+        pending = [r for r in pending if r[0] > step]
+        for delta in engine.step():
+            out[delta.request_id] += delta.text
+        step += 1
+    return [out[f"r{i}"] for i in range(len(params))]
+
+
+def test_outputs_hold_their_format_greedy_and_sampled(model_dir) -> None:
+    engine = make_engine(model_dir)
+    formats = [
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        {"type": "regex", "regex": r"[0-9]{3}-[a-z]{2}"},
+        {"type": "choice", "choice": ["yes", "no", "a (b)?"]},
+        {"type": "json_object"},
+    ]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=200, response_format=f)
+              for i, (f, t) in enumerate((f, t) for f in formats for t in (0.0, 1.0))]
+    got = texts(engine, params)
+    for text in got[0:2]:
+        value = json.loads(text)
+        assert set(value) == {"name", "age", "pet"} and isinstance(value["age"], int) and 0 <= value["age"] <= 120
+        assert value["pet"] in ("cat", "dog") and len(value["name"]) <= 6
+        assert list(value) == ["name", "age", "pet"]  # the schema's order
+        assert text == json.dumps(value, separators=(",", ":"), ensure_ascii=False)  # compact
+    for text in got[2:4]:
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text), text
+    for text in got[4:6]:
+        assert text in ("yes", "no", "a (b)?"), text
+    for text in got[6:8]:  # any JSON object, if the budget lets it close
+        assert text.startswith("{")
+    assert engine.kv.pool.num_free_blocks == engine.num_blocks and not engine._grammars
+    # the same requests unconstrained: the noise the constraints held back
+    free = texts(make_engine(model_dir), [SamplingParams(temperature=0.0, max_tokens=30)] * 2)
+    assert not any(re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) or t in ("yes", "no") for t in free)
+
+
+def test_unconstrained_rows_beside_constrained_ones_are_untouched(model_dir) -> None:
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = texts(make_engine(model_dir), [plain, plain])
+    fmt = {"type": "regex", "regex": "[a-c]{20}"}
+    mixed = texts(make_engine(model_dir, speculative="ngram"),
+                  [plain, plain, SamplingParams(temperature=0.0, max_tokens=30, response_format=fmt)])
+    assert mixed[:2] == alone
+    assert re.fullmatch("[a-c]{20}", mixed[2])
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"type": "json_schema"}, "json_schema must be a map"),
+    ({"type": "xml"}, "response_format.type must be one of"),
+    ({"type": "choice", "choice": []}, "choice must be a list"),
+    ({"type": "regex", "regex": "a", "extra": 1}, "takes no"),
+    ("json", "must be a map"),
+])
+def test_bad_formats_are_clear_errors(value, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(response_format=value)
+
+
+def test_a_format_that_does_not_compile_is_refused_at_admission(model_dir) -> None:
+    engine = make_engine(model_dir)
+    with pytest.raises(RequestError, match="does not compile"):
+        engine.add_request("a", [5, 6], SamplingParams(max_tokens=8, response_format={"type": "regex", "regex": "(unclosed"}))
+    assert not engine.requests and not engine.has_unfinished()
+    assert SamplingParams(response_format={"type": "text"}).response_format is None
+    assert SamplingParams(response_format=ResponseFormat("json_object")).response_format.kind == "json_object"
