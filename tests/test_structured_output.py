@@ -98,7 +98,8 @@ def test_bad_formats_are_clear_errors(value, message: str) -> None:
 def test_a_format_that_does_not_compile_is_refused_at_admission(model_dir) -> None:
     engine = make_engine(model_dir)
     with pytest.raises(RequestError, match="does not compile"):
-        engine.add_request("a", [5, 6], SamplingParams(max_tokens=8, response_format={"type": "regex", "regex": "(unclosed"}))
+        engine.add_request("a", [5, 6], SamplingParams(max_tokens=8, response_format={"type": "regex",
+                                                                                     "regex": "(unclosed"}))
     assert not engine.requests and not engine.has_unfinished()
     assert SamplingParams(response_format={"type": "text"}).response_format is None
     assert SamplingParams(response_format=ResponseFormat("json_object")).response_format.kind == "json_object"
