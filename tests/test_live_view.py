@@ -55,7 +55,7 @@ def test_waiting_rows_and_rates(model_dir: Path) -> None:
     engine = make_engine(model_dir, num_blocks=64, block_size=4, max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request("first", [5] * 9, params)
-    engine.add_request("second", [6] * 9, params)
+    engine.add_request("second", [6] * 9, SamplingParams(max_tokens=8, response_format={"type": "json_object"}))
     for _ in range(4):
         engine.step()
     _, rows = engine.live_view()
@@ -63,3 +63,4 @@ def test_waiting_rows_and_rates(model_dir: Path) -> None:
     first, second = rows
     assert first.generated_tokens == 4 and first.ttft is not None and first.tokens_per_s > 0
     assert second.generated_tokens == 0 and second.ttft is None and second.tokens_per_s is None
+    assert (first.format, second.format) == (None, "json_object")  # the dashboard marks constrained requests

@@ -223,7 +223,8 @@ async def test_dashboard_shows_blocks_and_requests(tmp_path: Path) -> None:
         await wait_until(pilot, lambda: "r1" in app.own_ids)
         # another client's request r7 holds blocks 0-3, ours (row 1) 4-9, 10-11 are cached
         blocks = bytes([BLOCK_FIRST_OWNER] * 4 + [BLOCK_FIRST_OWNER + 1] * 6 + [BLOCK_CACHED] * 2) + bytes(52)
-        client.stats.put_nowait(stats_message(blocks, [request_row("r7", owner=2), request_row("r1")], decode=42.0))
+        rows = [request_row("r7", owner=2), request_row("r1"), {**request_row("r9", owner=3), "format": "json_schema"}]
+        client.stats.put_nowait(stats_message(blocks, rows, decode=42.0))
         await wait_until(pilot, lambda: app.last_stats)
         kv = app.query_one(KVMap)
         assert kv.own == frozenset({BLOCK_FIRST_OWNER + 1})
@@ -237,7 +238,8 @@ async def test_dashboard_shows_blocks_and_requests(tmp_path: Path) -> None:
         table = app.query_one("#requests").render().plain.splitlines()
         assert table[0].split() == ["id", "owner", "state", "prompt", "cached", "out", "tok/s", "TTFT"]
         assert table[1].split() == ["r7", "2", "running", "20", "16", "3", "31.5", "0.12s"]
-        assert table[2].split()[:3] == ["r1*", "1", "running"] and table[3] == "* this chat"
+        assert table[2].split()[:3] == ["r1*", "1", "running"] and table[3].split()[:2] == ["r9{}", "3"]
+        assert table[4] == "* this chat  {} structured output"
         assert "decode    42.0 tok/s  ·  prefill    84.0 tok/s" in str(app.query_one("#throughput-line").render())
         assert list(app.query_one("#decode-spark").data)[-1] == 42.0
 

@@ -33,15 +33,19 @@ def request_table(rows: list[dict[str, Any]], own_ids: set[str]) -> Text:
     text.append("".join(name.ljust(width) for name, width in COLUMNS) + "\n", style="bold")
     for r in rows:
         mine = r.get("id") in own_ids
-        cells = [f"{r.get('id')}{'*' if mine else ''}", str(r.get("owner")), str(r.get("state")),
+        marks = ("*" if mine else "") + ("{}" if r.get("format") else "")  # {}: its output has a set form
+        cells = [f"{r.get('id')}{marks}", str(r.get("owner")), str(r.get("state")),
                  str(r.get("prompt_tokens")), str(r.get("cached_tokens")), str(r.get("generated_tokens")),
                  _fmt(r.get("tokens_per_s")), _fmt(r.get("ttft"), "s", 2)]
         line = "".join(cell.ljust(width) for cell, (_, width) in zip(cells, COLUMNS))
         text.append(line + "\n", style="bold reverse" if mine else "")
     if not rows:
         text.append("no requests", style="dim")
-    elif any(r.get("id") in own_ids for r in rows):
-        text.append("* this chat", style="dim")
+    else:
+        legend = (["* this chat"] if any(r.get("id") in own_ids for r in rows) else []) + \
+                 (["{} structured output"] if any(r.get("format") for r in rows) else [])
+        if legend:
+            text.append("  ".join(legend), style="dim")
     return text
 
 

@@ -36,6 +36,7 @@ class RequestRow:
     generated_tokens: int
     tokens_per_s: float | None  # decode rate since its first token
     ttft: float | None
+    format: str | None = None  # its response format's type (structured output), or None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,8 +47,9 @@ def _row(seq: Sequence, state: str, now: float) -> RequestRow:
     rate = None
     if t.first_token is not None and seq.num_output_tokens > 1 and now > t.first_token:
         rate = (seq.num_output_tokens - 1) / (now - t.first_token)
+    fmt = seq.params.response_format
     return RequestRow(seq.request_id, state, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
-                      rate, t.ttft)
+                      rate, t.ttft, None if fmt is None else fmt.kind)
 
 
 def request_rows(running: list[Sequence], waiting: list[Sequence], limit: int) -> list[RequestRow]:
