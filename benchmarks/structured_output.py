@@ -76,8 +76,9 @@ SCHEMAS: list[dict] = [
                                       "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
      "required": ["q", "a", "confidence"], "additionalProperties": False},
 ]
-PROMPTS = ["Answer in JSON.", "Reply with a JSON value for a small example.", "Give me data about your favourite thing, "
-           "as JSON.", "Make up a plausible record and write it as JSON.", "What would you say? Use JSON."]
+PROMPTS = ["Answer in JSON.", "Reply with a JSON value for a small example.",
+           "Give me data about your favourite thing, as JSON.", "Make up a plausible record and write it as JSON.",
+           "What would you say? Use JSON."]
 
 
 def validity(llm, max_tokens: int) -> None:
@@ -92,8 +93,9 @@ def validity(llm, max_tokens: int) -> None:
         for i, schema in enumerate(SCHEMAS):
             for j, prompt in enumerate(PROMPTS):
                 chats.append([{"role": "user", "content": f"{prompt} The schema: {json.dumps(schema)}"}])
+                fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
                 params.append(SamplingParams(temperature=temperature, seed=100 * i + j, max_tokens=max_tokens,
-                                             response_format={"type": "json_schema", "json_schema": {"schema": schema}}))
+                                             response_format=fmt))
         start = time.perf_counter()
         outs = llm.chat(chats, params)
         seconds = time.perf_counter() - start
@@ -120,7 +122,8 @@ def cost(llm, rounds: int, max_tokens: int) -> None:
         "type": "object", "properties": {"name": {"type": "string"}, "qty": {"type": "integer"}},
         "required": ["name", "qty"]}}}, "required": ["title", "items"]}
     chats = [[{"role": "user", "content": f"List {n} things to pack for a trip, as JSON."}] for n in range(3, 19)]
-    kinds = {"plain": dict(), "schema": dict(response_format={"type": "json_schema", "json_schema": {"schema": schema}})}
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    kinds = {"plain": dict(), "schema": dict(response_format=fmt)}
     rates: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(rounds):
         for kind in kinds if r % 2 == 0 else reversed(list(kinds)):
