@@ -83,6 +83,21 @@ def test_unconstrained_rows_beside_constrained_ones_are_untouched(model_dir) -> 
     assert re.fullmatch("[a-c]{20}", mixed[2])
 
 
+def test_preemption_and_prefix_hits_keep_the_grammar_in_step(model_dir) -> None:
+    """A pool small enough to preempt (the preempted requests recompute their tokens, their grammars
+    stay where their output is) and shared prefixes: the same texts as with a large pool, each one
+    holding its format."""
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    params = [SamplingParams(temperature=0.0, max_tokens=60, response_format=fmt if i % 2 else None,
+                             ignore_eos=not i % 2) for i in range(6)]
+    roomy = texts(make_engine(model_dir), params)
+    engine = make_engine(model_dir, num_blocks=24, block_size=4)
+    assert texts(engine, params) == roomy
+    assert engine.scheduler.num_preemptions > 0
+    for text in roomy[1::2]:
+        assert set(json.loads(text)) == {"name", "age", "pet"}
+
+
 @pytest.mark.parametrize("value,message", [
     ({"type": "json_schema"}, "json_schema must be a map"),
     ({"type": "xml"}, "response_format.type must be one of"),
