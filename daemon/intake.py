@@ -39,6 +39,7 @@ class LiveRequest:
     priority: int = 0
     context_limit: int | None = None  # prompt + output at most this many tokens: max_tokens lowered to fit
     encoding: Future[list[int]] | None = None  # set until the prompt's tokens are ready
+    grammar: Future[Any] | None = None  # its response format's matcher, compiling on a worker
     text: list[str] = field(default_factory=list)  # collected for stream=False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
@@ -124,6 +125,10 @@ class Intake:
         live.encoding = self.encoder.submit(c)
         live.encoding.add_done_callback(self._wake)
         self._fresh.append(live.encoding)
+        if params.response_format is not None:  # a large schema compiles for long: never on this thread
+            live.grammar = self.engine.grammar_compiler.submit(params.response_format)
+            live.grammar.add_done_callback(self._wake)
+            self._fresh.append(live.grammar)
         self.live[key] = live
         return live
 
@@ -145,13 +150,16 @@ class Intake:
         the ``tokenize`` requests that are done. Called once a loop turn, after the pipe the wake
         callback writes to had something in it."""
         for key, live in list(self.live.items()):
-            if live.encoding is None or not live.encoding.done():
+            if live.encoding is None or not live.encoding.done() or (live.grammar and not live.grammar.done()):
                 continue
             future, live.encoding = live.encoding, None
             try:
                 ids = future.result()
                 _fit_context(live, ids, self.engine.max_request_tokens)
-                self.engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority)
+                grammar = None if live.grammar is None else live.grammar.result()
+                live.grammar = None
+                self.engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority,
+                                        grammar=grammar)
             except ProtocolError as e:
                 self._refuse(key, e.code, str(e))
                 continue

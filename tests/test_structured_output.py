@@ -98,6 +98,32 @@ def test_preemption_and_prefix_hits_keep_the_grammar_in_step(model_dir) -> None:
         assert set(json.loads(text)) == {"name", "age", "pet"}
 
 
+def test_a_format_compiles_on_the_compilers_worker(model_dir) -> None:
+    """What the daemon does (daemon/intake.py): compile on the compiler's own thread, then queue the
+    request with its matcher; a failed compile is the future's RequestError."""
+    import threading
+
+    engine = make_engine(model_dir)
+    fmt = {"type": "regex", "regex": "ab+c"}
+    threads = []
+    real = engine.grammar_compiler.grammar
+
+    def spied(f):
+        threads.append(threading.current_thread().name)
+        return real(f)
+
+    engine.grammar_compiler.grammar = spied
+    grammar = engine.grammar_compiler.submit(ResponseFormat.parse(fmt)).result(timeout=60)
+    assert threads and threads[0].startswith("llmd-grammar")
+    engine.add_request("a", [5, 6], SamplingParams(max_tokens=20, response_format=fmt), grammar=grammar)
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(d.text for d in engine.step())
+    assert re.fullmatch("ab+c", text) and len(threads) == 1  # not compiled again
+    with pytest.raises(RequestError, match="does not compile"):
+        engine.grammar_compiler.submit(ResponseFormat.parse({"type": "regex", "regex": "(x"})).result(timeout=60)
+
+
 @pytest.mark.parametrize("value,message", [
     ({"type": "json_schema"}, "json_schema must be a map"),
     ({"type": "xml"}, "response_format.type must be one of"),

@@ -184,9 +184,9 @@ class LLMEngine:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._peak_blocks_used = 0  # since take_peak_blocks_used() last ran
-        # structured output: the compiler (made at the first request that needs it) and, by request
-        # id, the grammars of the requests that carry a response format
-        self._compiler: GrammarCompiler | None = None
+        # structured output: the compiler (it reads the vocabulary at its first compile) and, by
+        # request id, the grammars of the requests that carry a response format
+        self.grammar_compiler = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self._grammars: dict[str, Grammar] = {}
 
     @property
@@ -242,13 +242,6 @@ class LLMEngine:
         if self.runner.device.type == "cuda" and self.model.attn_backend.name == "triton":
             self.runner.warm_up(self.config.max_batched_tokens)
 
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """The structured-output compiler, made at the first constrained request (it reads the
-        tokenizer's whole vocabulary: ~0.25 s for the default model's)."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._compiler
-
     def _measure_centres(self, model: LlamaForCausalLM, cache_dtype: torch.dtype) -> list[torch.Tensor] | None:
         """The key centres an int8 cache stores keys by (None for other caches), on the calibration
         text (or, without a tokenizer, its first tokens' ids). NOTE: other caches leave a model's
@@ -289,13 +282,15 @@ class LLMEngine:
         return min(self.max_model_len, self.num_blocks * self.config.block_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    owner: Any = None, priority: int = 0) -> Sequence:
+                    owner: Any = None, priority: int = 0, grammar: Grammar | None = None) -> Sequence:
         """Queue a request.
 
         Args:
             owner: the client that asked (opaque; the scheduler shares each step fairly between owners).
             priority: higher is scheduled sooner, in ``MIN_PRIORITY..MAX_PRIORITY`` (-10..10);
                 interactive requests use 1.
+            grammar: the matcher of ``params.response_format``, compiled already (off the caller's
+                thread: ``self.grammar_compiler.submit``); compiled here when None.
 
         Raises:
             RequestError: duplicate id, empty prompt, out-of-vocabulary token ids or a bad priority.
@@ -316,7 +311,8 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} "
                 f"tokens but the {where} holds {self.max_request_tokens}; shorten the prompt or lower max_tokens"
             )
-        grammar = None if params.response_format is None else self._grammar_compiler().grammar(params.response_format)
+        if params.response_format is not None and grammar is None:
+            grammar = self.grammar_compiler.grammar(params.response_format)
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, owner=owner,
                        priority=priority)
         self.requests[request_id] = _Request(seq, RequestDetokenizer(self.tokenizer, params.stop))
@@ -365,7 +361,7 @@ class LLMEngine:
         start = time.monotonic()
         num_prompt = sum(max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
                          for seq, n in zip(batch.seqs, batch.num_new_tokens))
-        out = self.runner.run(batch, self._grammars, self._compiler)
+        out = self.runner.run(batch, self._grammars, self.grammar_compiler)
         sampled, result = out.sampled, out.result
         accepted = self._accept(batch, out.verified, sampled)
         for row, (first, scored) in out.prompt_logprobs.items():
