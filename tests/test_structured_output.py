@@ -124,6 +124,24 @@ def test_a_format_compiles_on_the_compilers_worker(model_dir) -> None:
         engine.grammar_compiler.submit(ResponseFormat.parse({"type": "regex", "regex": "(x"})).result(timeout=60)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_constrained_requests_speculate_to_the_same_output(model_dir, temperature: float) -> None:
+    """Drafts of a constrained request are cut where its grammar refuses them and each verified
+    position is masked as one token at a time: greedy gives the same tokens as speculation off; a
+    seeded sampled request (rejection sampling on the masked distributions) repeats itself, and
+    holds its format."""
+    schema = {"type": "array", "items": {"enum": ["cat", "dog", "cow"]}, "minItems": 12, "maxItems": 12}
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=150, response_format=fmt) for i in range(3)]
+    engine = make_engine(model_dir, speculative="ngram")
+    on = texts(engine, params)
+    assert engine.num_accepted_tokens > 10 and not engine._grammars
+    want = texts(make_engine(model_dir, speculative="off" if temperature == 0 else "ngram"), params)
+    assert on == want
+    for text in on:
+        assert len(json.loads(text)) == 12
+
+
 @pytest.mark.parametrize("value,message", [
     ({"type": "json_schema"}, "json_schema must be a map"),
     ({"type": "xml"}, "response_format.type must be one of"),

@@ -42,9 +42,9 @@ KV_CACHE_DTYPE_CHOICES = OPTIONS["kv_cache_dtype"].choices
 def _speculates(params: SamplingParams) -> bool:
     """Whether a request's drafts are verified: greedy or sampled (rejection sampling), with
     penalties (each drafted position's own, ModelRunner._verify) and log-probabilities or without,
-    but not with prompt log-probabilities (such a request computes its whole prompt anyway) nor
-    with a response format (drafts are not checked against its grammar)."""
-    return params.prompt_logprobs is None and params.response_format is None
+    with a response format or without (its drafts checked against its grammar), but not with prompt
+    log-probabilities (such a request computes its whole prompt anyway)."""
+    return params.prompt_logprobs is None
 
 
 @dataclass(slots=True)
@@ -402,12 +402,11 @@ class LLMEngine:
             k = min(req.drafts.next(cost), room)
             if k > 0:
                 wants.append((seq, k))
-        if self.drafter is not None:
-            for (seq, _), draft in zip(wants, self.drafter.propose(wants) if wants else []):
-                seq.add_drafts(draft)
-        else:
-            for seq, k in wants:
-                seq.add_drafts(propose(seq.token_ids, k))
+        drafts = self.drafter.propose(wants) if self.drafter is not None and wants else \
+            [propose(seq.token_ids, k) for seq, k in wants]
+        for (seq, _), draft in zip(wants, drafts):
+            grammar = self._grammars.get(seq.request_id)
+            seq.add_drafts(draft if grammar is None else draft[:grammar.valid_prefix(draft)])
 
     def _accept(self, batch: ScheduledBatch, verified: dict[int, list[int]], sampled: list[int | None]
                 ) -> dict[int, list[int]]:

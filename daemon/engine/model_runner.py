@@ -272,7 +272,7 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_caches, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         prompt_logprobs = self._prompt_logprobs(hidden, batch, scored) if scored else {}
-        verified, verified_logprobs = self._verify(hidden, batch)
+        verified, verified_logprobs = self._verify(hidden, batch, grammars or {}, compiler)
         if not sample_rows:
             return StepOutput(sampled, None, prompt_logprobs, verified, verified_logprobs)
         logits = self.model.compute_logits(hidden[sample_tokens])
@@ -287,8 +287,8 @@ class ModelRunner:
             sampled[row] = token
         return StepOutput(sampled, result, prompt_logprobs, verified, verified_logprobs)
 
-    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch
-                ) -> tuple[dict[int, list[int]], dict[int, list[Logprob]]]:
+    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch, grammars: dict[str, Grammar],
+                compiler: GrammarCompiler | None) -> tuple[dict[int, list[int]], dict[int, list[Logprob]]]:
         """For each row with draft tokens (speculative decoding): a greedy row's own choice after its
         last token and after each draft, k + 1 tokens (the greedy rows' in one read of the device); a
         sampled row's accepted drafts and its next token (Sampler.verify_drafts), at most k + 1.
@@ -304,6 +304,9 @@ class ModelRunner:
             return {}, {}
         index = torch.cat([torch.arange(f, f + n, device=hidden.device) for _, f, n in spans])
         logits = raw = self.model.compute_logits(hidden[index])
+        if grammars and compiler is not None:  # each position as a one-token step would mask it
+            seqs = [batch.seqs[row] for row, _, _ in spans]
+            compiler.mask(raw, [grammars.get(seq.request_id) for seq in seqs], [seq.draft_token_ids for seq in seqs])
         # Penalties, position by position: after the i-th draft, the output as it would be had the
         # row emitted the drafts before it one token at a time (their own counts, from the lists).
         at = 0

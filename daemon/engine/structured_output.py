@@ -16,8 +16,9 @@ small model left free to choose whitespace can fill its budget with it.
 The daemon compiles a request's constraint on a worker thread before it queues the request, so a
 large schema never stalls the engine loop; an error is the request's ``bad_request``.
 
-NOTE: a constrained request does not speculate (its drafts would need checking against the grammar
-first). Tool calling (issue 24) is still to come.
+Speculative decoding: a constrained request's drafts are cut at the first token its grammar refuses,
+and each verified position is masked as it would be one token at a time (the drafts before it
+accepted), so greedy output is the same and sampling exact. Tool calling (issue 24) is still to come.
 """
 
 from __future__ import annotations
@@ -110,6 +111,28 @@ class Grammar:
         """The output is complete: its end-of-sequence token was accepted."""
         return self._matcher.is_terminated()
 
+    def valid_prefix(self, draft: list[int]) -> int:
+        """How many of ``draft``'s first tokens the grammar allows in a row (speculative decoding:
+        the rest are never verified); the matcher is left as it was."""
+        n = 0
+        while n < len(draft) and not self._matcher.is_terminated() and self._matcher.accept_token(draft[n]):
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+    def fill_masks(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None:
+        """Rows ``row .. row + len(draft)`` of ``bitmask``: what may come next now, and after each of
+        ``draft``'s tokens (a verified span's positions; the drafts are valid, valid_prefix); the
+        matcher is left as it was."""
+        self.fill_mask(bitmask, row)
+        for i, token in enumerate(draft):
+            if not self._matcher.accept_token(token):
+                raise ValueError(f"draft token {token} is outside the grammar")
+            self.fill_mask(bitmask, row + i + 1)
+        if draft:
+            self._matcher.rollback(len(draft))
+
 
 class GrammarCompiler:
     """Compiles constraints against one tokenizer and makes their matchers; on the caller's thread
@@ -155,7 +178,7 @@ class GrammarCompiler:
             compiled = self._compile(compiler, fmt)
         except (RuntimeError, ValueError, TypeError) as e:
             raise RequestError(f"response_format's {fmt.kind} does not compile: {str(e).splitlines()[0]}") from None
-        return Grammar(self._xgr.GrammarMatcher(compiled))
+        return Grammar(self._xgr.GrammarMatcher(compiled))  # (it can roll back any number of tokens)
 
     def submit(self, fmt: ResponseFormat) -> Future[Grammar]:
         """:meth:`grammar` on this compiler's worker thread."""
@@ -180,15 +203,20 @@ class GrammarCompiler:
                 "|".join(_regex_escape(choice) for choice in json.loads(fmt.spec))))
         return c.compile_grammar(fmt.spec)
 
-    def mask(self, logits: torch.Tensor, grammars: list[Grammar | None]) -> None:
-        """Set to -inf, in place, the logits ``[B, V]`` of the tokens each row's grammar does not
-        allow next (rows without one are left alone)."""
+    def mask(self, logits: torch.Tensor, grammars: list[Grammar | None],
+             drafts: list[list[int]] | None = None) -> None:
+        """Set to -inf, in place, the logits of the tokens each grammar does not allow next (rows
+        without one are left alone). One row of ``logits`` per grammar; or, with ``drafts`` (a
+        verified span per grammar), ``len(drafts[i]) + 1`` rows for the i-th: its positions."""
         if all(g is None for g in grammars):
             return
-        bitmask = self._xgr.allocate_token_bitmask(len(grammars), self.vocab_size)  # all allowed
-        for i, g in enumerate(grammars):
+        drafts = drafts or [[] for _ in grammars]
+        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # all allowed
+        row = 0
+        for g, draft in zip(grammars, drafts):
             if g is not None:
-                g.fill_mask(bitmask, i)
+                g.fill_masks(bitmask, row, draft)
+            row += len(draft) + 1
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
 
 
