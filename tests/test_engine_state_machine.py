@@ -6,6 +6,8 @@ with the model's KV cache or an int8 one."""
 
 from __future__ import annotations
 
+import re
+
 from collections import Counter
 from pathlib import Path
 
@@ -73,26 +75,36 @@ class EngineMachine(RuleBasedStateMachine):
             self.engine.draft_pass_cost = 0.0  # draft whatever a pass of the tiny draft model costs
         self.next_id = 0
         self.live: set[str] = set()
+        self.texts: dict[str, str] = {}  # the constrained requests' output so far
 
     @rule(length=st.integers(1, 30), max_tokens=st.integers(1, 12), shared=st.booleans(), period=st.sampled_from(
-        [0, 2, 5]))
-    def add(self, length: int, max_tokens: int, shared: bool, period: int) -> None:
+        [0, 2, 5]), constrained=st.booleans())
+    def add(self, length: int, max_tokens: int, shared: bool, period: int, constrained: bool) -> None:
         # a period repeats the prompt, so that speculation drafts (and has drafts rejected)
         ids = (SHARED if shared else []) + [(7 * self.next_id + (i % period if period else i)) % 250
                                             for i in range(length)]
         rid = f"r{self.next_id}"
         self.next_id += 1
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        # structured output: its grammar's state through drafts, rollbacks, preemption and aborts
+        fmt = {"type": "regex", "regex": "(ab|c)+d?"} if constrained else None
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, response_format=fmt)
         try:
             self.engine.add_request(rid, ids, params)
         except PromptTooLongError:
             assert len(ids) + max_tokens > self.engine.max_request_tokens
             return
         self.live.add(rid)
+        if constrained:
+            self.texts[rid] = ""
 
     @rule()
     def step(self) -> None:
         for delta in self.engine.step():
+            if delta.request_id in self.texts:  # always the start of a sentence of its grammar
+                text = self.texts[delta.request_id] = self.texts[delta.request_id] + delta.text
+                assert re.fullmatch(r"(ab|c)*(a|d)?", text), text
+                if delta.finished and delta.finish_reason == "stop":  # it ends when complete, not before
+                    assert re.fullmatch(r"(ab|c)+d?", text), text
             if delta.finished:
                 self.live.discard(delta.request_id)
 
@@ -125,7 +137,7 @@ class EngineMachine(RuleBasedStateMachine):
             check_block_accounting(self.engine)
         assert not self.engine.has_unfinished(), "the engine did not drain"
         assert self.engine.kv.pool.num_free_blocks == self.engine.kv.num_blocks, "blocks leaked"
-        assert not self.engine.requests and not self.engine.runner._generators
+        assert not self.engine.requests and not self.engine.runner._generators and not self.engine._grammars
         drafter = self.engine.drafter
         if drafter is not None:
             assert drafter.num_held == 0 and drafter.pool.num_free_blocks == drafter.num_blocks, "draft blocks leaked"
