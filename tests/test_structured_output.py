@@ -142,6 +142,27 @@ def test_constrained_requests_speculate_to_the_same_output(model_dir, temperatur
         assert len(json.loads(text)) == 12
 
 
+def test_a_draft_that_ends_the_output_is_not_verified(model_dir) -> None:
+    """An end-of-sequence draft would leave the positions after it without a mask (xgrammar refuses
+    a finished matcher's mask): drafts stop before it. Prompts that hold the end token (a chat
+    template's) give prompt-lookup such drafts; the engine once failed a step on one."""
+    engine = make_engine(model_dir, speculative="ngram")
+    grammar = engine.grammar_compiler.grammar(ResponseFormat.parse({"type": "choice", "choice": ["ab"]}))
+    a, b = engine.tokenizer.convert_tokens_to_ids(["a", "b"])
+    eos = min(engine.eos_token_ids)  # the model's end token (the grammar's stop token)
+    assert grammar.valid_prefix([a, b, eos, a]) == 2 and grammar.valid_prefix([a, a]) == 1
+    assert grammar.valid_prefix([b]) == 0  # the matcher is where it was: nothing taken yet
+    assert grammar.accept(a) and grammar.accept(b) and grammar.valid_prefix([eos]) == 0
+    # the end token in the prompt, right after what the grammar allows: prompt lookup drafts it
+    fmt = {"type": "regex", "regex": "(ab)+"}
+    prompt = [a, b, a, b, eos, a, b, a, b, eos, a, b]
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, response_format=fmt))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(d.text for d in engine.step())
+    assert re.fullmatch("(ab)+", text), text
+
+
 @pytest.mark.parametrize("value,message", [
     ({"type": "json_schema"}, "json_schema must be a map"),
     ({"type": "xml"}, "response_format.type must be one of"),

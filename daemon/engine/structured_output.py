@@ -100,7 +100,10 @@ class Grammar:
         self._matcher = matcher
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Row ``row`` of ``bitmask``: the tokens that may come next. NOTE: a finished grammar (its end
+        token accepted) has no next token; its row is left as it was rather than fail the step."""
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False if the grammar does not allow it (nothing changes then)."""
@@ -113,10 +116,16 @@ class Grammar:
 
     def valid_prefix(self, draft: list[int]) -> int:
         """How many of ``draft``'s first tokens the grammar allows in a row (speculative decoding:
-        the rest are never verified); the matcher is left as it was."""
+        the rest are never verified), an end-of-sequence draft excluded (after it no position has a
+        mask; the model's own token after the drafts may still end the output); the matcher is left
+        as it was."""
         n = 0
-        while n < len(draft) and not self._matcher.is_terminated() and self._matcher.accept_token(draft[n]):
+        while n < len(draft) and self._matcher.accept_token(draft[n]):
             n += 1
+            if self._matcher.is_terminated():
+                self._matcher.rollback(1)
+                n -= 1
+                break
         if n:
             self._matcher.rollback(n)
         return n
@@ -126,12 +135,14 @@ class Grammar:
         ``draft``'s tokens (a verified span's positions; the drafts are valid, valid_prefix); the
         matcher is left as it was."""
         self.fill_mask(bitmask, row)
+        taken = 0
         for i, token in enumerate(draft):
             if not self._matcher.accept_token(token):
-                raise ValueError(f"draft token {token} is outside the grammar")
+                break  # (valid_prefix cut the drafts: not reached) the later rows stay as they were
+            taken += 1
             self.fill_mask(bitmask, row + i + 1)
-        if draft:
-            self._matcher.rollback(len(draft))
+        if taken:
+            self._matcher.rollback(taken)
 
 
 class GrammarCompiler:
