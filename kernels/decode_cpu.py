@@ -125,7 +125,7 @@ class DecodeStep:
 
     def centre_keys(self, centres: list[torch.Tensor] | None) -> None:
         """Subtract ``centres[layer]`` (``[num_kv_heads, head_dim]``) from every key before it is stored,
-        or nothing (None): an int8 cache's key centring (llmd.daemon.key_centres)."""
+        or nothing (None): an int8 cache's key centring (llmd.daemon.engine.key_centres)."""
         if centres is not None and len(centres) != len(self._layers):
             raise ValueError(f"{len(centres)} key centres for {len(self._layers)} layers")
         kv_size = self._model.num_kv_heads * self._model.head_dim

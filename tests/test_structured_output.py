@@ -169,6 +169,7 @@ def test_a_draft_that_ends_the_output_is_not_verified(model_dir) -> None:
     ({"type": "choice", "choice": []}, "choice must be a list"),
     ({"type": "regex", "regex": "a", "extra": 1}, "takes no"),
     ("json", "must be a map"),
+    ({"type": "json_schema", "json_schema": {"schema": {"a": b"bytes"}}}, "must be JSON"),
 ])
 def test_bad_formats_are_clear_errors(value, message: str) -> None:
     with pytest.raises(RequestError, match=message):

@@ -42,8 +42,8 @@ COMPILE_CACHE_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
-    """One constraint: ``kind`` in :data:`KINDS` and its ``spec`` (the schema as canonical JSON text,
-    the regex, the choices as a JSON list, the grammar; empty for ``json_object``)."""
+    """One constraint: ``kind`` in :data:`KINDS` and its ``spec`` (the schema as compact JSON text, its
+    key order kept, the regex, the choices as a JSON list, the grammar; empty for ``json_object``)."""
 
     kind: str
     spec: str = ""
@@ -75,7 +75,11 @@ class ResponseFormat:
             body = value.get("json_schema")
             if not isinstance(body, dict) or not isinstance(body.get("schema"), dict):
                 raise RequestError('response_format.json_schema must be a map with a "schema" map (a JSON schema)')
-            spec = json.dumps(body["schema"], separators=(",", ":"))  # key order kept: it is the output's
+            try:
+                spec = json.dumps(body["schema"], separators=(",", ":"))  # key order kept: it is the output's
+            except (TypeError, ValueError, RecursionError):
+                raise RequestError("response_format.json_schema.schema must be JSON (maps, lists, strings, "
+                                   "numbers, booleans, null)") from None
         elif kind in ("regex", "grammar"):
             spec = value.get(kind)
             if not isinstance(spec, str) or not spec:

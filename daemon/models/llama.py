@@ -76,7 +76,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         # [num_kv_heads, head_dim] fp32 subtracted from keys before they are stored: an int8 cache's
-        # key centring (llmd.daemon.key_centres); None for other caches
+        # key centring (llmd.daemon.engine.key_centres); None for other caches
         self.key_centre: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rotate: Rotate, kv_cache: KVCache, meta: AttentionMetadata,
@@ -333,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
     def centre_keys(self, centres: list[torch.Tensor] | None) -> None:
         """Subtract ``centres[layer]`` (``[num_kv_heads, head_dim]``) from every key the model stores from
         now on, on every path (layer by layer and the fused decode step), or nothing (None). Attention
-        is unchanged by it (llmd.daemon.key_centres); an int8 cache keeps more of the keys.
+        is unchanged by it (llmd.daemon.engine.key_centres); an int8 cache keeps more of the keys.
 
         A fused Triton decode step, which writes keys itself, is dropped for the layer-by-layer path.
 

@@ -45,7 +45,7 @@ typedef struct {
     void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, row]: rows of cache_kind (kv_row.h) */
     int64_t window;          /* sliding window, 0 for none */
     const float *k_centre;   /* [num_kv_heads * head_dim] subtracted from keys before they are stored, or NULL
-                              * (an int8 cache's key centring: llmd.daemon.key_centres) */
+                              * (an int8 cache's key centring: llmd.daemon.engine.key_centres) */
 } llmd_layer;
 
 typedef struct {
