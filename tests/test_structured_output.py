@@ -6,6 +6,7 @@ a constraint in the same steps are untouched."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -161,6 +162,28 @@ def test_a_draft_that_ends_the_output_is_not_verified(model_dir) -> None:
     while engine.has_unfinished():
         text += "".join(d.text for d in engine.step())
     assert re.fullmatch("(ab)+", text), text
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_log_probabilities_are_the_models_own_not_the_masks(model_dir, speculative: str) -> None:
+    """Log-probabilities are the model's own (before the grammar's mask, as before penalties): every
+    top-n value finite. Masked ones were -inf, which JSON cannot carry (the HTTP API failed with a
+    500). The chosen token's equals the unconstrained request's where both chose it."""
+    schema = {"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 6, "maxItems": 6}
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    engine = make_engine(model_dir, speculative=speculative)
+    engine.add_request("c", [5, 6, 7], SamplingParams(temperature=0, max_tokens=60, logprobs=3, response_format=fmt))
+    logprobs = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            logprobs += delta.logprobs
+    assert len(logprobs) > 10
+    for chosen, top in logprobs:
+        assert math.isfinite(chosen) and len(top) == 3 and all(math.isfinite(v) for _, v in top)
+    free = make_engine(model_dir, speculative="off")
+    free.add_request("f", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1, logprobs=3))
+    (first,) = [d for d in free.step() if d.logprobs]
+    assert first.logprobs[0][1] == logprobs[0][1]  # the same top-3 at the first position, mask or not
 
 
 @pytest.mark.parametrize("value,message", [

@@ -280,9 +280,14 @@ class ModelRunner:
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq), seq.request_id)
             for seq in (batch.seqs[r] for r in sample_rows)
         ]
+        own = None  # the model's own logits, kept for log-probabilities where a grammar masks a row
         if grammars and compiler is not None:
-            compiler.mask(logits, [grammars.get(batch.seqs[r].request_id) for r in sample_rows])
-        result = self.sampler(logits, rows)
+            rows_grammars = [grammars.get(batch.seqs[r].request_id) for r in sample_rows]
+            if any(g is not None for g in rows_grammars):
+                if any(r.params.logprobs is not None for r in rows):
+                    own = logits.clone()
+                compiler.mask(logits, rows_grammars)
+        result = self.sampler(logits, rows, own)
         for row, token in zip(sample_rows, result.token_ids):
             sampled[row] = token
         return StepOutput(sampled, result, prompt_logprobs, verified, verified_logprobs)
@@ -303,10 +308,12 @@ class ModelRunner:
         if not spans:
             return {}, {}
         index = torch.cat([torch.arange(f, f + n, device=hidden.device) for _, f, n in spans])
-        logits = raw = self.model.compute_logits(hidden[index])
-        if grammars and compiler is not None:  # each position as a one-token step would mask it
-            seqs = [batch.seqs[row] for row, _, _ in spans]
-            compiler.mask(raw, [grammars.get(seq.request_id) for seq in seqs], [seq.draft_token_ids for seq in seqs])
+        logits = raw = own = self.model.compute_logits(hidden[index])  # own: for log-probabilities
+        seqs = [batch.seqs[row] for row, _, _ in spans]
+        span_grammars = [grammars.get(seq.request_id) for seq in seqs] if grammars and compiler is not None else []
+        if any(g is not None for g in span_grammars):  # each position as a one-token step would mask it
+            logits = raw = own.clone() if any(seq.params.logprobs is not None for seq in seqs) else own
+            compiler.mask(raw, span_grammars, [seq.draft_token_ids for seq in seqs])
         # Penalties, position by position: after the i-th draft, the output as it would be had the
         # row emitted the drafts before it one token at a time (their own counts, from the lists).
         at = 0
@@ -335,8 +342,8 @@ class ModelRunner:
         logprobs, at = {}, 0
         for row, _, n in spans:
             k = batch.seqs[row].params.logprobs
-            if k is not None:  # the model's own, as a sampled row's: before penalties
-                rows = torch.log_softmax(raw[at:at + n].float(), dim=-1)
+            if k is not None:  # the model's own, as a sampled row's: before grammars and penalties
+                rows = torch.log_softmax(own[at:at + n].float(), dim=-1)
                 logprobs[row] = [top_logprobs(lp, token, k) for lp, token in zip(rows, out[row])]
             at += n
         return out, logprobs

@@ -54,9 +54,12 @@ class Sampler:
         if self._counts is not None:
             self._counts.release(key)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
-        """Pick one token per row of ``logits`` ``[B, V]`` (fp32)."""
-        raw = logits  # log-probabilities are the model's own: before penalties and temperature
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest], own: torch.Tensor | None = None
+                 ) -> SampleResult:
+        """Pick one token per row of ``logits`` ``[B, V]`` (fp32). ``own``: the model's logits before
+        a grammar masked ``logits`` (structured output), for the log-probabilities."""
+        # log-probabilities are the model's own: before grammars, penalties and temperature
+        raw = logits if own is None else own
         logits = self._apply_penalties(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):

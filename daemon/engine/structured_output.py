@@ -166,7 +166,9 @@ class GrammarCompiler:
         self._xgr: Any = None
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        # NOTE: made now, not under the lock: the worker holds the lock while it reads the vocabulary,
+        # and the daemon's loop thread submits (an executor starts its thread at the first submit)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmd-grammar")
 
     def _ready(self) -> Any:
         """The xgrammar compiler, made once (under the lock: two threads may ask first)."""
@@ -197,9 +199,6 @@ class GrammarCompiler:
 
     def submit(self, fmt: ResponseFormat) -> Future[Grammar]:
         """:meth:`grammar` on this compiler's worker thread."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmd-grammar")
         return self._pool.submit(self.grammar, fmt)
 
     def _compile(self, c: Any, fmt: ResponseFormat) -> Any:
