@@ -272,7 +272,7 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_caches, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         prompt_logprobs = self._prompt_logprobs(hidden, batch, scored) if scored else {}
-        verified, verified_logprobs = self._verify(hidden, batch, grammars or {}, compiler)
+        verified, verified_logprobs = self._verify(hidden, batch, grammars, compiler)
         if not sample_rows:
             return StepOutput(sampled, None, prompt_logprobs, verified, verified_logprobs)
         logits = self.model.compute_logits(hidden[sample_tokens])
@@ -280,19 +280,27 @@ class ModelRunner:
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq), seq.request_id)
             for seq in (batch.seqs[r] for r in sample_rows)
         ]
-        own = None  # the model's own logits, kept for log-probabilities where a grammar masks a row
-        if grammars and compiler is not None:
-            rows_grammars = [grammars.get(batch.seqs[r].request_id) for r in sample_rows]
-            if any(g is not None for g in rows_grammars):
-                if any(r.params.logprobs is not None for r in rows):
-                    own = logits.clone()
-                compiler.mask(logits, rows_grammars)
+        own = self._constrain(logits, [batch.seqs[r] for r in sample_rows], grammars, compiler) if grammars else None
         result = self.sampler(logits, rows, own)
         for row, token in zip(sample_rows, result.token_ids):
             sampled[row] = token
         return StepOutput(sampled, result, prompt_logprobs, verified, verified_logprobs)
 
-    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch, grammars: dict[str, Grammar],
+    @staticmethod
+    def _constrain(logits: torch.Tensor, seqs: list[Sequence], grammars: dict[str, Grammar] | None,
+                   compiler: GrammarCompiler | None, drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """Mask ``logits`` in place by the grammars of ``seqs`` that have one (structured output; one
+        row each, or with ``drafts`` a verified span each: GrammarCompiler.mask). Returns the model's
+        own logits for log-probabilities: a copy from before the mask when a masked step's row asks
+        for them, else ``logits``."""
+        found = [grammars.get(seq.request_id) for seq in seqs] if grammars and compiler is not None else []
+        if not any(g is not None for g in found):
+            return logits
+        own = logits.clone() if any(seq.params.logprobs is not None for seq in seqs) else logits
+        compiler.mask(logits, found, drafts)
+        return own
+
+    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch, grammars: dict[str, Grammar] | None,
                 compiler: GrammarCompiler | None) -> tuple[dict[int, list[int]], dict[int, list[Logprob]]]:
         """For each row with draft tokens (speculative decoding): a greedy row's own choice after its
         last token and after each draft, k + 1 tokens (the greedy rows' in one read of the device); a
@@ -308,12 +316,10 @@ class ModelRunner:
         if not spans:
             return {}, {}
         index = torch.cat([torch.arange(f, f + n, device=hidden.device) for _, f, n in spans])
-        logits = raw = own = self.model.compute_logits(hidden[index])  # own: for log-probabilities
+        logits = raw = self.model.compute_logits(hidden[index])
         seqs = [batch.seqs[row] for row, _, _ in spans]
-        span_grammars = [grammars.get(seq.request_id) for seq in seqs] if grammars and compiler is not None else []
-        if any(g is not None for g in span_grammars):  # each position as a one-token step would mask it
-            logits = raw = own.clone() if any(seq.params.logprobs is not None for seq in seqs) else own
-            compiler.mask(raw, span_grammars, [seq.draft_token_ids for seq in seqs])
+        # each position masked as a one-token step would mask it; own: for log-probabilities
+        own = self._constrain(raw, seqs, grammars, compiler, [seq.draft_token_ids for seq in seqs])
         # Penalties, position by position: after the i-th draft, the output as it would be had the
         # row emitted the drafts before it one token at a time (their own counts, from the lists).
         at = 0

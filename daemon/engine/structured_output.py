@@ -151,9 +151,9 @@ class Grammar:
 
 class GrammarCompiler:
     """Compiles constraints against one tokenizer and makes their matchers; on the caller's thread
-    (:meth:`grammar`) or on a worker of its own (:meth:`submit`: the daemon's loop never waits on a
-    compile). The tokenizer's vocabulary is read at the first compile (~0.25 s for the default
-    model's 49,152 tokens), not before.
+    (:meth:`grammar`) or on a worker of its own (:meth:`submit`: the daemon's loop waits on a compile
+    no longer than the 20 ms it gives any fresh prompt). The tokenizer's vocabulary is read at the
+    first compile (~0.25 s for the default model's 49,152 tokens), not before.
 
     Args:
         tokenizer: the model's transformers tokenizer.
