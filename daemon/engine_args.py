@@ -36,9 +36,9 @@ def _default(name: str) -> Any:
 class EngineArgs:
     """What the runtime is built from; :meth:`build` builds it.
 
-    The first fields are the options of the same name (llmd.config); the last two are not user
+    The first fields are the options of the same name (llmd.config); the last three are not user
     settings: ``num_blocks`` sets the KV pool exactly (tests), ``max_model_len`` caps the context
-    below the model's.
+    below the model's, ``paced`` is EngineConfig's (off for the offline ``llmd.LLM``).
 
     Raises:
         ValueError: a bad value, naming the fix (at construction, before anything is loaded).
@@ -63,6 +63,7 @@ class EngineArgs:
     models_dir: str | None = _default("models_dir")
     num_blocks: int | None = None
     max_model_len: int | None = None
+    paced: bool = True
 
     def __post_init__(self) -> None:
         for name in ("device", "dtype", "quant", "attention"):  # the choices, as the flags check them
@@ -87,7 +88,8 @@ class EngineArgs:
                             max_num_seqs=self.max_num_seqs, max_batched_tokens=self.max_batched_tokens,
                             max_model_len=self.max_model_len, prefix_cache=self.prefix_cache,
                             gpu_memory_fraction=self.gpu_memory_fraction, cuda_graphs=self.cuda_graphs,
-                            speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype)
+                            speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype,
+                            paced=self.paced)
 
     def quant_config(self) -> QuantConfig:
         """``--quant`` and ``--group-size``, checked."""

@@ -35,6 +35,8 @@ class LLM:
             ``triton``.
         **engine_args: the other fields of llmd.daemon.engine_args.EngineArgs (``num_blocks``,
             ``block_size``, ``max_batched_tokens``, ``prefix_cache``, ``kv_cache_mb``, ...).
+            ``paced`` is off by default here: no client waits on a step, and unpaced steps make
+            the results (a perplexity's last digits) the same however busy the machine is.
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -42,6 +44,7 @@ class LLM:
                  **engine_args: Any) -> None:
         from llmd.daemon.engine_args import EngineArgs
 
+        engine_args.setdefault("paced", False)
         args = EngineArgs(model=None if model is None else str(model), device=device, dtype=dtype, quant=quant,
                           group_size=group_size, attention=attention, **engine_args)
         runtime = args.build()

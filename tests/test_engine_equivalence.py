@@ -72,3 +72,32 @@ def test_preemption_does_not_change_greedy_output(tiny_dir: Path, reference, blo
     assert got == reference
     assert engine.kv.usage.num_used == 0
 
+
+
+def test_an_unpaced_engine_takes_its_whole_budget_however_slow_the_last_step(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which prompt tokens share a step must not hang on the machine's speed where nobody waits
+    (``llmd.LLM``, whose perplexities the quality tests compare to 1%): there the budget is whole.
+    The canary: the daemon's paced engine cuts the next step after the same slow one."""
+    import llmd.daemon.engine.scheduler as scheduler_module
+    from llmd import LLM
+
+    class SlowClock:  # every step seems to take 10 s
+        now = 0.0
+
+        def monotonic(self) -> float:
+            self.now += 5.0
+            return self.now
+
+    monkeypatch.setattr(scheduler_module, "time", SlowClock())
+    ids = [3 + i % 200 for i in range(200)]
+    for paced, want in ((False, 64), (True, scheduler_module.MIN_PACED_TOKENS)):
+        engine = make_engine(tiny_dir, num_blocks=64, max_batched_tokens=64, paced=paced)
+        engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=1))
+        chunks = []
+        for _ in range(3):
+            batch = engine.scheduler.schedule()
+            chunks.append(batch.num_tokens)
+            engine.scheduler.update(batch, [None] * len(batch.seqs))
+        assert chunks[0] == 64 and chunks[1:] == [want, want], (paced, chunks)
+    assert LLM(str(tiny_dir), dtype="float32", quant="none").engine.scheduler.config.lone_step_seconds is None

@@ -190,7 +190,7 @@ def test_an_int8_kv_cache_keeps_the_quality(text: str, monkeypatch) -> None:
     llm = LLM()
     own = perplexity.measure_in_process(llm, window).perplexity
     # the same loaded model under an engine with an int8 cache (a second load would cost more than the test)
-    llm.engine = LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(kv_cache_dtype="int8"),
+    llm.engine = LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(kv_cache_dtype="int8", paced=False),
                            eos_token_ids=llm.engine.eos_token_ids)
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.int8
     int8 = perplexity.measure_in_process(llm, window).perplexity

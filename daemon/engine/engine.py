@@ -71,6 +71,10 @@ class EngineConfig:
             engine's ``draft_model``, daemon/engine/draft_model.py); ``off`` never drafts.
         kv_cache_dtype: the KV cache's dtype: ``auto`` (the model's), ``float32``, ``bfloat16``,
             ``float16`` or ``int8`` (a scale per token and KV head, llmd.kernels.kv_format).
+        paced: cut a step's prompt work to end in about the scheduler's step times (the daemon,
+            where clients wait on each step); off, a step takes the whole token budget, so which
+            tokens share a step, and with them the last bits of every logit, do not depend on how
+            fast the machine ran the step before (the offline ``llmd.LLM``).
     """
 
     block_size: int = OPTIONS["block_size"].default
@@ -84,6 +88,7 @@ class EngineConfig:
     cuda_graphs: bool = OPTIONS["cuda_graphs"].default
     speculative: str = OPTIONS["speculative"].default
     kv_cache_dtype: str = OPTIONS["kv_cache_dtype"].default
+    paced: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -99,7 +104,7 @@ class EngineConfig:
         fraction = self.gpu_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {fraction!r}")
-        for name in ("prefix_cache", "cuda_graphs"):
+        for name in ("prefix_cache", "cuda_graphs", "paced"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speculative not in SPECULATIVE_MODES:
@@ -175,7 +180,9 @@ class LLMEngine:
                                       cache_dtype=config.cache_dtype(draft_model.dtype))
             self.draft_pass_cost = forward_cost(draft_model.config) / forward_cost(model.config)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_batched_tokens, self.max_model_len), self.kv
+            SchedulerConfig(config.max_num_seqs, config.max_batched_tokens, self.max_model_len,
+                            **({} if config.paced else {"step_seconds": None, "lone_step_seconds": None})),
+            self.kv,
         )
         self.requests: dict[str, _Request] = {}
         self.meter = ThroughputMeter()
@@ -472,8 +479,8 @@ class LLMEngine:
     def _check_stop(self, req: _Request, token: int, num_output: int) -> tuple[str, FinishReason | None]:
         """The text ``token`` adds and whether it ends the request, decided once, here: a stop token
         (EOS unless ignored, or a requested one: its own text is never shown, what was held back is),
-        then a stop string in the text, then the length (``max_tokens``, or the context full), the held-back text flushed,
-        which may still complete a stop string."""
+        then a stop string in the text, then the length (``max_tokens``, or the context full), the
+        held-back text flushed, which may still complete a stop string."""
         seq, params = req.seq, req.seq.params
         if (not params.ignore_eos and token in seq.eos_token_ids) or token in params.stop_token_ids:
             return req.detok.flush()[0], FinishReason.STOP  # the text held back for a stop string, shown
