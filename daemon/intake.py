@@ -15,6 +15,7 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.sequence import check_priority
 from llmd.daemon.prompt_encoder import PromptEncoder
 from llmd.daemon.request_metrics import RequestMetrics
+from llmd.daemon.tool_calls import ToolCallParser, ToolRequest
 from llmd.daemon.transport import Reply
 from llmd.errors import PromptTooLongError, RequestError
 from llmd.protocol import ErrorCode, Message, ProtocolError, parse_context_limit, require_str
@@ -40,6 +41,8 @@ class LiveRequest:
     context_limit: int | None = None  # prompt + output at most this many tokens: max_tokens lowered to fit
     encoding: Future[list[int]] | None = None  # set until the prompt's tokens are ready
     grammar: Future[Any] | None = None  # its response format's matcher, compiling on a worker
+    tools: ToolRequest | None = None
+    tool_parser: ToolCallParser | None = None  # set when it is queued: its output into text and tool calls
     text: list[str] = field(default_factory=list)  # collected for stream=False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
@@ -118,11 +121,22 @@ class Intake:
         try:
             check_priority(priority)
             params = SamplingParams(**raw_params)
+            tools = ToolRequest.parse(c.get("tools"), c.get("tool_choice"))
         except (RequestError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        if tools is not None:
+            if "messages" not in c:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "tools go with messages (the chat template renders "
+                                                          "them), not with a prompt or token ids")
+            if params.response_format is not None and tools.choice != "none":
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "response_format and tools both shape the answer, and "
+                                                          "the format leaves no room for a call; send one of them "
+                                                          '(or tool_choice "none")')
+            if tools.forced:
+                params.response_format = tools.response_format()
         live = LiveRequest(identity, rid, msg.msg_id, stream, 0, self._new_public_id(identity), params, priority,
-                           context_limit)
-        live.encoding = self.encoder.submit(c)
+                           context_limit, tools=tools)
+        live.encoding = self.encoder.submit(c, None if tools is None else tools.template_tools())
         live.encoding.add_done_callback(self._wake)
         self._fresh.append(live.encoding)
         if params.response_format is not None:  # a large schema compiles for long: never on this thread
@@ -158,6 +172,8 @@ class Intake:
                 _fit_context(live, ids, self.engine.max_request_tokens)
                 grammar = None if live.grammar is None else live.grammar.result()
                 live.grammar = None
+                if live.tools is not None:
+                    live.tool_parser = ToolCallParser(live.tools, self.encoder.tool_style)
                 self.engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority,
                                         grammar=grammar)
             except ProtocolError as e:

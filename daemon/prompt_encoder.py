@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from llmd.daemon.tokenizer import chat_token_ids, has_chat_template
+from llmd.daemon.tool_calls import call_style, template_messages
 from llmd.protocol import (MAX_DETOKENIZE_IDS, ErrorCode, ProtocolError, parse_messages, parse_prompt,
                            parse_token_ids)
 
@@ -51,14 +52,17 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.max_request_tokens = max_request_tokens
         self._max_bytes: int | None = None  # found on the worker, at the first request
+        self._tool_style: str | None = None
+        self._tool_style_known = False
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmd-encode")
 
-    def submit(self, content: dict[str, Any]) -> Future[list[int]]:
-        """Start encoding; the future's result is the token ids, or it raises :class:`ProtocolError`
-        (``bad_request`` for a malformed prompt or refused template, ``too_long`` when the prompt
-        cannot fit)."""
-        return self._pool.submit(self.encode, content)
+    def submit(self, content: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> Future[list[int]]:
+        """Start encoding (with ``tools`` for the chat template: checked ones, daemon/tool_calls.py);
+        the future's result is the token ids, or it raises :class:`ProtocolError` (``bad_request``
+        for a malformed prompt, refused template or a model that cannot take tools, ``too_long``
+        when the prompt cannot fit)."""
+        return self._pool.submit(self.encode, content, tools)
 
     def submit_pieces(self, content: dict[str, Any]) -> Future[list[str]]:
         """Start a ``detokenize``: the future's result is each token's text (see :meth:`pieces`)."""
@@ -75,7 +79,15 @@ class PromptEncoder:
                 self._max_bytes = self.max_request_tokens * max_token_bytes(self.tokenizer)
             return self._max_bytes
 
-    def encode(self, content: dict[str, Any]) -> list[int]:
+    @property
+    def tool_style(self) -> str | None:
+        """How the model writes tool calls; None if its template does not render tools (found once)."""
+        with self._lock:
+            if not self._tool_style_known:
+                self._tool_style, self._tool_style_known = call_style(self.tokenizer), True
+            return self._tool_style
+
+    def encode(self, content: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The token ids of a request's prompt (synchronously; :meth:`submit` runs this)."""
         sources = [k for k in ("prompt", "messages", "token_ids") if k in content]
         if len(sources) != 1:
@@ -90,8 +102,11 @@ class PromptEncoder:
             self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages))
             if not has_chat_template(self.tokenizer):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "this model has no chat template; send a prompt")
+            if tools is not None and self.tool_style is None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "this model's chat template does not render tools, so "
+                                                          "it cannot call them; send the request without tools")
             try:
-                return chat_token_ids(self.tokenizer, messages)
+                return chat_token_ids(self.tokenizer, template_messages(messages), tools)
             except ValueError as e:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
         prompt = parse_prompt(content["prompt"])

@@ -16,6 +16,7 @@ from llmd.config import OPTIONS, is_loopback, runtime_dir
 from llmd.daemon.engine_args import EngineArgs
 from llmd.daemon.quantization import describe, describe_quant, weight_memory
 from llmd.daemon.runtime_files import RuntimeFiles
+from llmd.daemon.tool_calls import call_style
 from llmd.errors import LlmdError
 
 log = logging.getLogger("llmd")
@@ -120,6 +121,7 @@ def serve(opts: DaemonOptions, companion: Companion | None = None) -> int:
                 "kv_cache_tokens": engine.num_blocks * opts.engine.block_size,
                 "draft_model": resolved.draft_source.name if resolved.draft_source is not None else None,
                 "chat_template": bool(getattr(runtime.tokenizer, "chat_template", None)),
+                "tools": call_style(runtime.tokenizer) is not None,  # its template renders tools
                 "log_file": opts.log_file,
                 # NOTE: systemd sets INVOCATION_ID for the processes of a unit: stderr is the journal.
                 "journal": opts.log_file is None and "INVOCATION_ID" in os.environ,

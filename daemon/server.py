@@ -235,14 +235,16 @@ class Server:
         live = self.live.get(delta.request_id)
         if live is None:
             return
+        # a request with tools: text that may be a call is held back (daemon/tool_calls.py)
+        text = delta.text if live.tool_parser is None else live.tool_parser.feed(delta.text)
         if live.stream:
-            if delta.text or delta.token_ids:
-                content = {"request_id": live.request_id, "text": delta.text, "token_ids": delta.token_ids}
+            if text or delta.token_ids:
+                content = {"request_id": live.request_id, "text": text, "token_ids": delta.token_ids}
                 if delta.logprobs:
                     content["logprobs"] = [[lp, [list(p) for p in top]] for lp, top in delta.logprobs]
                 self._reply(live.identity, ("delta", content, live.parent))
         else:
-            live.text.append(delta.text)
+            live.text.append(text)
             live.token_ids.extend(delta.token_ids)
             if delta.logprobs:
                 live.logprobs.extend([lp, [list(p) for p in top]] for lp, top in delta.logprobs)
@@ -257,6 +259,16 @@ class Server:
         self.reporter.requests.finished(reason, m.ttft if m else None, m.e2e if m else None,
                                         m.num_generated_tokens if m else 0)
         content: dict[str, Any] = {"request_id": live.request_id, "finish_reason": reason}
+        if live.tool_parser is not None and delta is not None:
+            rest, calls = live.tool_parser.finish()
+            if live.stream and rest:  # what was held back, and was text after all
+                self._reply(live.identity, ("delta", {"request_id": live.request_id, "text": rest, "token_ids": []},
+                                            live.parent))
+            elif rest:
+                live.text.append(rest)
+            if calls:
+                content["tool_calls"] = [call.to_wire() for call in calls]
+                content["finish_reason"] = "tool_calls" if reason == "stop" else reason
         if not live.stream:
             content["text"] = "".join(live.text)
             content["token_ids"] = live.token_ids

@@ -76,16 +76,19 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                   ) -> list[int]:
     """The token ids of ``messages`` through the model's chat template, the assistant's turn opened
-    (the one place a conversation becomes tokens: the daemon, ``llmd.LLM`` and the CLI call this).
-    The caller checks :func:`has_chat_template` first, for its own message.
+    (the one place a conversation becomes tokens: the daemon, ``llmd.LLM`` and the CLI call this),
+    with ``tools`` for the template to render (daemon/tool_calls.py). The caller checks
+    :func:`has_chat_template` first, for its own message.
 
     Raises:
         ValueError: the template refused the messages (e.g. roles that do not alternate).
     """
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
     except Exception as e:  # templates raise what their authors wrote (jinja2's TemplateError, ...)
         raise ValueError(f"the chat template refused these messages: {e}") from None
     return [int(i) for i in ids]

@@ -73,6 +73,8 @@ class Result:
     # with params logprobs and stream=False: per output token, [logprob, [[token, logprob], ...]]
     # (a stream carries them in its deltas instead)
     logprobs: list[Any] | None = None
+    # with tools: the calls the model made, [{"id", "name", "arguments": JSON text}] (finish_reason "tool_calls")
+    tool_calls: list[dict[str, str]] | None = None
 
 
 def load_connection(socket_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -192,9 +194,10 @@ def _accept(key: bytes, frames: list[bytes], discard: set[str]) -> tuple[str, Me
     return route, msg
 
 
-def _generate_content(request_id: str, prompt: str | None, messages: list[dict[str, str]] | None,
+def _generate_content(request_id: str, prompt: str | None, messages: list[dict[str, Any]] | None,
                       token_ids: list[int] | None, stream: bool, params: dict[str, Any], priority: int = 0,
-                      context_limit: int | None = None) -> dict[str, Any]:
+                      context_limit: int | None = None, tools: list[dict[str, Any]] | None = None,
+                      tool_choice: str | dict[str, Any] | None = None) -> dict[str, Any]:
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, messages, token_ids")
@@ -203,6 +206,10 @@ def _generate_content(request_id: str, prompt: str | None, messages: list[dict[s
         content["priority"] = priority
     if context_limit is not None:
         content["context_limit"] = context_limit
+    if tools is not None:
+        content["tools"] = tools
+    if tool_choice is not None:
+        content["tool_choice"] = tool_choice
     if prompt is not None:
         content["prompt"] = prompt
     elif messages is not None:
@@ -243,7 +250,7 @@ def _check(msg: Message) -> Message:
 def _result(request_id: str, done: dict[str, Any], text: str = "", token_ids: list[int] | None = None) -> Result:
     return Result(request_id, done.get("text", text), done.get("token_ids", token_ids or []),
                   done.get("finish_reason"), done.get("usage", {}), done.get("timings", {}),
-                  done.get("prompt_logprobs"), done.get("logprobs"))
+                  done.get("prompt_logprobs"), done.get("logprobs"), done.get("tool_calls"))
 
 
 class Stream:
@@ -411,11 +418,13 @@ class Client(_ClientCore):
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
-                 priority: int = 0, context_limit: int | None = None, **params: Any) -> Stream | Result:
+                 priority: int = 0, context_limit: int | None = None, tools: list[dict[str, Any]] | None = None,
+                 tool_choice: str | dict[str, Any] | None = None, **params: Any) -> Stream | Result:
         """Start a request. ``params`` are sampling parameters (``max_tokens``, ``temperature``...);
         ``priority`` (-10..10, higher first) puts it ahead of this daemon's lower-priority work;
         ``context_limit`` caps prompt + output at that many tokens, lowering ``max_tokens`` to fit
-        (so a large ``max_tokens`` means "until the context is full").
+        (so a large ``max_tokens`` means "until the context is full"); ``tools`` and ``tool_choice``
+        (with ``messages``) are OpenAI's: the calls come in the result's ``tool_calls``.
 
         Returns:
             With ``stream`` a :class:`Stream` of :class:`Delta` (its ``result`` set at the end),
@@ -426,7 +435,7 @@ class Client(_ClientCore):
         """
         rid = request_id or self._new_request_id()
         self._send("generate", _generate_content(rid, prompt, messages, token_ids, stream, params, priority,
-                                                 context_limit))
+                                                 context_limit, tools, tool_choice))
         _check(self._wait(f"req:{rid}"))  # accepted, or the refusal
         if stream:
             return Stream(self, rid)
@@ -553,7 +562,8 @@ class AsyncClient(_ClientCore):
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
                  on_accepted: Callable[[dict[str, Any]], None] | None = None, priority: int = 0,
-                 context_limit: int | None = None, **params: Any
+                 context_limit: int | None = None, tools: list[dict[str, Any]] | None = None,
+                 tool_choice: str | dict[str, Any] | None = None, **params: Any
                  ) -> AsyncIterator[Delta | Result] | Awaitable[Result]:
         """Start a request, as :meth:`Client.generate`. With ``stream``, an async iterator of
         :class:`Delta` ending with one :class:`Result`; leaving it early cancels the request
@@ -561,7 +571,8 @@ class AsyncClient(_ClientCore):
         ``on_accepted`` gets the daemon's ``accepted`` reply (its ``id`` names the request in the
         published stats)."""
         rid = request_id or self._new_request_id()
-        content = _generate_content(rid, prompt, messages, token_ids, stream, params, priority, context_limit)
+        content = _generate_content(rid, prompt, messages, token_ids, stream, params, priority, context_limit,
+                                    tools, tool_choice)
         if stream:
             return self._stream(rid, content, on_accepted)
         return self._complete(rid, content, on_accepted)

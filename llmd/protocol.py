@@ -193,21 +193,59 @@ def require_str(content: dict[str, Any], field: str, max_chars: int = MAX_ID_CHA
     return value
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    """Validate chat messages: a non-empty list of ``{"role": str, "content": str}``."""
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """Validate chat messages: a non-empty list of ``{"role": str, "content": str}``; an assistant's may
+    carry ``tool_calls`` (OpenAI's ``[{"id", "type": "function", "function": {"name", "arguments"}}]``,
+    its content then may be empty), and a ``tool`` message, the result of one, its ``tool_call_id``."""
     if not isinstance(value, list) or not 0 < len(value) <= 1024:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "messages must be a list of 1 to 1024 messages")
     out = []
+    chars = 0
     for m in value:
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or \
-                not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        calling = isinstance(m, dict) and "tool_calls" in m  # its content may be absent, or None
+        if not isinstance(m, dict) or set(m) - {"role", "content", "tool_calls", "tool_call_id"} or \
+                not isinstance(m.get("role"), str) or \
+                not isinstance(m.get("content") if not calling else m.get("content") or "", str):
             raise ProtocolError(ErrorCode.BAD_REQUEST, 'each message must be {"role": str, "content": str}')
-        if m["role"] not in ("system", "user", "assistant"):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message role {m['role']!r}")
-        out.append({"role": m["role"], "content": m["content"]})
-    if sum(len(m["content"]) for m in out) > MAX_PROMPT_CHARS:
+        role = m["role"]
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message role {role!r}")
+        message: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
+        if "tool_calls" in m:
+            if role != "assistant":
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "only an assistant message has tool_calls")
+            message["tool_calls"] = _parse_tool_calls(m["tool_calls"])
+            chars += sum(len(c["function"]["arguments"]) for c in message["tool_calls"])
+        if role == "tool" and not (out and (out[-1]["role"] == "tool" or "tool_calls" in out[-1])):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a message of role tool answers the tool_calls of the "
+                                                      "assistant message before it; there is none")
+        if "tool_call_id" in m:
+            if role != "tool":
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "only a tool message has a tool_call_id")
+            message["tool_call_id"] = require_str(m, "tool_call_id")
+        chars += len(message["content"])
+        out.append(message)
+    if chars > MAX_PROMPT_CHARS:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages exceed {MAX_PROMPT_CHARS} characters")
     return out
+
+
+def _parse_tool_calls(value: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, as the daemon sent them out (arguments: JSON text)."""
+    shape = 'tool_calls must be a list of {"id": str, "type": "function", "function": {"name": str, "arguments": str}}'
+    if not isinstance(value, list) or not 0 < len(value) <= 128:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, shape)
+    calls = []
+    for call in value:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(fn, dict) or set(call) - {"id", "type", "function"} or call.get("type", "function") !=
+                "function" or not isinstance(call.get("id", ""), str) or len(call.get("id", "")) > MAX_ID_CHARS
+                or set(fn) != {"name", "arguments"} or not isinstance(fn["name"], str) or not 0 < len(fn["name"]) <= 64
+                or not isinstance(fn["arguments"], str)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, shape)
+        calls.append({"id": call.get("id", ""), "type": "function",
+                      "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return calls
 
 
 def parse_token_ids(value: Any, max_len: int = MAX_PROMPT_CHARS) -> list[int]:

@@ -36,7 +36,9 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp: Path) -> Path:
-    return save_hf_model(make_hf_model("llama", max_position_embeddings=1024), tmp / "model", with_tokenizer=True)
+    # its chat template renders tools (Hermes style): the tool calls' round trips
+    return save_hf_model(make_hf_model("llama", max_position_embeddings=1024), tmp / "model", with_tokenizer=True,
+                         tools=True)
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +218,9 @@ def test_bad_requests_get_openai_shaped_400s(url, model) -> None:
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x" * 3000}])
     assert e.value.status_code == 413 and "shorten" in e.value.message
-    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
-        client.chat.completions.create(model=model, messages=MESSAGES, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    with pytest.raises(openai.BadRequestError, match="response_format and tools both shape the answer"):
+        client.chat.completions.create(model=model, messages=MESSAGES, response_format={"type": "json_object"},
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
     r = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=30, content=b"x" * (5 << 20))
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
 
@@ -247,6 +249,67 @@ def test_structured_output_through_both_apis(url, model) -> None:
     with pytest.raises(openai.BadRequestError, match="does not compile"):
         sdk(url).chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
                                          response_format={"type": "regex", "regex": "(x"})
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_tool_calls_round_trip_through_the_openai_sdk(url, model) -> None:
+    """A forced call (a named function, then ``required``, streamed), its result sent back in a
+    ``tool`` message, and the answer; the calls' arguments match the tool's schema. Ollama's
+    /api/show says the model takes tools, and its /api/chat takes them and the calls sent back."""
+    import jsonschema
+
+    client = sdk(url)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    completion = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL],
+                                                tool_choice=named, max_tokens=80, temperature=0.8, seed=3)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+    stream = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL],
+                                            tool_choice="required", max_tokens=120, temperature=0, stream=True)
+    pieces = {}
+    reasons = []
+    for chunk in stream:
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            pieces.setdefault(piece.index, []).append(piece)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] == "tool_calls" and pieces
+    for (first, *_) in pieces.values():
+        assert first.function.name == "get_weather" and first.id.startswith("call_")
+        jsonschema.validate(json.loads(first.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+    # the call and its result back: the prompt grows by both, and the model answers in text
+    back = [*messages, choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "21 C and sunny"}]
+    answer = client.chat.completions.create(model=model, messages=back, tools=[WEATHER_TOOL], tool_choice="none",
+                                            max_tokens=4, temperature=0)
+    alone = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "length"
+    assert answer.usage.prompt_tokens > alone.usage.prompt_tokens + len(call.function.arguments)
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "launch"}})
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.name"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                       tools=[{"type": "function", "function": {"name": "no spaces"}}])
+
+    ollama_client = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"})
+    assert "tools" in ollama_client.show(model).capabilities
+    reply = ollama_client.chat(model=model, messages=[
+        *messages, {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]},
+        {"role": "tool", "content": "21 C and sunny"}], tools=[WEATHER_TOOL], options={"num_predict": 4})
+    assert reply.done and reply.eval_count == 4
 
 
 def test_token_is_required(url, model) -> None:

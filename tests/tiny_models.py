@@ -61,10 +61,10 @@ def perturbed_copy(model: Any, scale: float, seed: int = 1) -> Any:
     return out
 
 
-def save_hf_model(model: Any, path: Path, with_tokenizer: bool = False) -> Path:
+def save_hf_model(model: Any, path: Path, with_tokenizer: bool = False, tools: bool = False) -> Path:
     model.save_pretrained(str(path))
     if with_tokenizer:
-        make_tiny_tokenizer().save_pretrained(str(path))
+        make_tiny_tokenizer(tools).save_pretrained(str(path))
     return path
 
 
@@ -74,8 +74,29 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_tokenizer() -> Any:
-    """A byte-level tokenizer: ids 0-255 are bytes, then three special tokens, chat template included."""
+# The same, rendering tools the way Hermes-style templates do (Qwen 2.5, SmolLM3): a system turn
+# listing them, an assistant's calls in <tool_call> tags, a tool's result in <tool_response> tags.
+# Without tools or tool messages it renders exactly as CHAT_TEMPLATE.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "You may call these tools:\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call one as <tool_call>{"name": NAME, "arguments": {...}}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}"
+    "{% if tools and loop.first and m['role'] == 'system' %}"
+    "{% elif m['role'] == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for call in m.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ m['content'] }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer(tools: bool = False) -> Any:
+    """A byte-level tokenizer: ids 0-255 are bytes, then three special tokens, chat template included
+    (with ``tools``, one that renders them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -86,7 +107,7 @@ def make_tiny_tokenizer() -> Any:
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>")
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return fast
 
 

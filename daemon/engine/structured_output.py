@@ -18,7 +18,8 @@ large schema never stalls the engine loop; an error is the request's ``bad_reque
 
 Speculative decoding: a constrained request's drafts are cut at the first token its grammar refuses,
 and each verified position is masked as it would be one token at a time (the drafts before it
-accepted), so greedy output is the same and sampling exact. Tool calling (issue 24) is still to come.
+accepted), so greedy output is the same and sampling exact. A forced tool call is constrained the same
+way (daemon/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ COMPILE_CACHE_BYTES = 64 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
     """One constraint: ``kind`` in :data:`KINDS` and its ``spec`` (the schema as compact JSON text, its
-    key order kept, the regex, the choices as a JSON list, the grammar; empty for ``json_object``)."""
+    key order kept, the regex, the choices as a JSON list, the grammar; empty for ``json_object``);
+    ``origin`` names the request field it came from, for errors (``tools``: a forced tool call's)."""
 
     kind: str
     spec: str = ""
+    origin: str = "response_format"
 
     @classmethod
     def parse(cls, value: Any) -> ResponseFormat | None:
@@ -194,7 +197,7 @@ class GrammarCompiler:
         try:
             compiled = self._compile(compiler, fmt)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise RequestError(f"response_format's {fmt.kind} does not compile: {str(e).splitlines()[0]}") from None
+            raise RequestError(f"{fmt.origin}: the {fmt.kind} does not compile: {str(e).splitlines()[0]}") from None
         return Grammar(self._xgr.GrammarMatcher(compiled))  # (it can roll back any number of tokens)
 
     def submit(self, fmt: ResponseFormat) -> Future[Grammar]:

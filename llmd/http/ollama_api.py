@@ -51,13 +51,10 @@ class _Generation(_Body):
     stream: bool = True
     options: Options = Field(default_factory=Options)
     format: Any = None
-    tools: list[Any] | None = None
     images: list[Any] | None = None
     keep_alive: Any = None  # the daemon's --idle-unload decides; accepted and ignored
 
     def check(self) -> None:
-        if self.tools:
-            raise HTTPError(400, "tools are not supported yet", "unsupported_tools")
         if self.images:
             raise HTTPError(400, "images are not supported: this model reads text", "unsupported_content")
 
@@ -73,14 +70,32 @@ class _Generation(_Body):
         raise HTTPError(400, 'format must be "json" or a JSON schema', "invalid_value", param="format")
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCall(_Body):
+    function: FunctionCall
+
+
 class Message(_Body):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's, sent back with their results
+
+    def to_daemon(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"type": "function", "function": {
+                "name": c.function.name, "arguments": json.dumps(c.function.arguments)}} for c in self.tool_calls]
+        return message
 
 
 class ChatRequest(_Generation):
     messages: list[Message] = Field(default_factory=list)
+    tools: list[Any] | None = None
 
 
 class GenerateRequest(_Generation):
@@ -148,7 +163,7 @@ async def show(body: ShowRequest, request: Request) -> dict[str, Any]:
     await backend.check_model(body.model or body.name)
     info = await backend.info()
     arch = info.get("model_type", "llama")
-    capabilities = ["completion"]
+    capabilities = ["completion", "tools"] if info.get("tools") else ["completion"]
     return {"license": "", "modelfile": "", "parameters": "", "template": "",
             "details": await _details(backend), "capabilities": capabilities,
             "model_info": {"general.architecture": arch, f"{arch}.context_length": info["max_model_len"]},
@@ -190,7 +205,7 @@ def _final(model: str, result: Result) -> dict[str, Any]:
     t, u = result.timings, result.usage
     ttft, e2e, queue = (t.get(k) or 0.0 for k in ("ttft_s", "e2e_s", "queue_s"))
     return {"model": model, "created_at": _now(), "done": True,
-            "done_reason": "length" if result.finish_reason == "length" else "stop",
+            "done_reason": "length" if result.finish_reason == "length" else "stop",  # Ollama's, with tools too
             "total_duration": _ns(e2e), "load_duration": 0, "prompt_eval_count": int(u.get("prompt_tokens", 0)),
             "prompt_eval_duration": _ns(max(ttft - queue, 0.0)), "eval_count": int(u.get("completion_tokens", 0)),
             "eval_duration": _ns(max(e2e - ttft, 0.0))}
@@ -198,12 +213,13 @@ def _final(model: str, result: Result) -> dict[str, Any]:
 
 async def _answer(request: Request, model: str, source: dict[str, Any], params: dict[str, Any], limit: int,
                   stream: bool, shape: Any) -> JSONResponse | StreamingResponse:
-    """Run the request; ``shape(text)`` is a chunk's body (chat: a message, generate: a response)."""
+    """Run the request; ``shape(text, result)`` is a chunk's body (chat: a message, generate: a
+    response; ``result`` at the end, with its tool calls)."""
     client = _backend(request).client
     if not stream:
         result = await until_disconnect(request, client.generate(**source, stream=False, context_limit=limit,
                                                                  **params))
-        return JSONResponse({**shape(result.text), **_final(model, result)})
+        return JSONResponse({**shape(result.text, result), **_final(model, result)})
     started = await Started.start(lambda accepted: client.generate(**source, stream=True, context_limit=limit,
                                                                    on_accepted=accepted, **params))
 
@@ -214,9 +230,9 @@ async def _answer(request: Request, model: str, source: dict[str, Any], params: 
                 return
             if isinstance(item, Delta):
                 if item.text:
-                    yield _ndjson({"model": model, "created_at": _now(), **shape(item.text), "done": False})
+                    yield _ndjson({"model": model, "created_at": _now(), **shape(item.text, None), "done": False})
             else:
-                yield _ndjson({**shape(""), **_final(model, item)})
+                yield _ndjson({**shape("", item), **_final(model, item)})
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -232,9 +248,19 @@ async def chat(body: ChatRequest, request: Request) -> JSONResponse | StreamingR
     if any(m.images for m in body.messages):
         raise HTTPError(400, "images are not supported: this model reads text", "unsupported_content")
     params, limit = await _params(backend, body.options, body.response_format())
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    return await _answer(request, f"{model}:latest", {"messages": messages}, params, limit, body.stream,
-                         lambda text: {"message": {"role": "assistant", "content": text}})
+    source: dict[str, Any] = {"messages": [m.to_daemon() for m in body.messages]}
+    if body.tools:
+        source["tools"] = body.tools  # the daemon checks them (a bad one is a 400 naming it)
+    return await _answer(request, f"{model}:latest", source, params, limit, body.stream, _chat_message)
+
+
+def _chat_message(text: str, result: Result | None) -> dict[str, Any]:
+    """A chat chunk's body: the text, and at the end the calls the model made (arguments as maps)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if result is not None and result.tool_calls:
+        message["tool_calls"] = [{"function": {"name": c["name"], "arguments": json.loads(c["arguments"])}}
+                                 for c in result.tool_calls]
+    return {"message": message}
 
 
 @router.post("/api/generate", response_model=None)
@@ -256,5 +282,5 @@ async def generate(body: GenerateRequest, request: Request) -> JSONResponse | St
         system = [{"role": "system", "content": body.system}] if body.system else []
         source = {"messages": [*system, {"role": "user", "content": body.prompt}]}
     return await _answer(request, f"{model}:latest", source, params, limit, body.stream,
-                         lambda text: {"response": text})
+                         lambda text, _: {"response": text})
 

@@ -103,10 +103,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     context_limit = await _limits(backend, params, None)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     client = backend.client
+    tools = body.tool_fields()
     if not body.stream:
         result = await until_disconnect(request, client.generate(
-            messages=messages, stream=False, context_limit=context_limit, **params))
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
+            messages=messages, stream=False, context_limit=context_limit, **tools, **params))
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            message = {"role": "assistant", "content": result.text or None, "tool_calls": _tool_calls(result)}
+        choice: dict[str, Any] = {"index": 0, "message": message,
                                   "logprobs": None, "finish_reason": finish_reason(result.finish_reason)}
         if body.logprobs:
             choice["logprobs"] = await _chat_logprobs(backend, result.token_ids, result.logprobs)
@@ -114,7 +118,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
                              "choices": [choice], "usage": _usage(result)})
     # Accepted, or refused as an HTTP error before anything is sent.
     started = await Started.start(lambda accepted: client.generate(
-        messages=messages, stream=True, context_limit=context_limit, on_accepted=accepted, **params))
+        messages=messages, stream=True, context_limit=context_limit, on_accepted=accepted, **tools, **params))
 
     async def events() -> AsyncIterator[bytes]:
         usage_field = {"usage": None} if body.include_usage else {}
@@ -134,6 +138,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
                     logprobs = await _chat_logprobs(backend, item.token_ids, item.logprobs) if body.logprobs else None
                     yield chunk({"content": item.text}, logprobs=logprobs)
             else:
+                if item.tool_calls:  # whole, in one chunk: the SDK joins a call's pieces by index
+                    yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(_tool_calls(item))]})
                 yield chunk({}, finish_reason(item.finish_reason))
                 if body.include_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -141,6 +147,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _tool_calls(result: Result) -> list[dict[str, Any]]:
+    """The daemon's calls in OpenAI's shape."""
+    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in result.tool_calls or []]
 
 
 def _error_event(e: Exception) -> bytes:

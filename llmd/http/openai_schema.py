@@ -27,10 +27,23 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the API sent it out
+
+
+class ToolCall(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back with their results
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     def text(self) -> str:
         """The message's text; a part that is not text (an image...) is refused."""
@@ -93,20 +106,36 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # checked by the daemon (docs/protocol.md: a bad one is a 400 naming it)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
-        if self.tools:
-            raise HTTPError(400, "tools are not supported yet: send the request without tools", "unsupported_tools",
-                            param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", "invalid_value", param="top_logprobs")
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         """The messages as the daemon takes them (``developer`` is OpenAI's newer name for ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+            if m.role == "tool" and m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+    def tool_fields(self) -> dict[str, Any]:
+        """``tools`` and ``tool_choice`` for the daemon (an empty list of tools is none)."""
+        fields: dict[str, Any] = {}
+        if self.tools:
+            fields["tools"] = self.tools
+        if self.tool_choice is not None and (self.tools or self.tool_choice != "none"):
+            fields["tool_choice"] = self.tool_choice
+        return fields
 
     def sampling(self) -> dict[str, Any]:
         params = self.params(self.max_completion_tokens or self.max_tokens)

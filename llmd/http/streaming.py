@@ -107,6 +107,6 @@ async def token_logprobs(backend: Backend, token_ids: list[int], logprobs: list[
 
 
 def finish_reason(reason: str | None) -> str:
-    """OpenAI's finish reasons are ``stop`` and ``length`` (and tool calls); an aborted request
+    """OpenAI's finish reasons are ``stop``, ``length`` and ``tool_calls``; an aborted request
     reads as stopped."""
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "tool_calls") else "stop"
