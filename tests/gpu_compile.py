@@ -9,7 +9,8 @@ unset: there, ``@triton.jit`` makes real JIT functions. The script gets these he
   ``aligned`` names the arguments the runtime sees 16-aligned (pointers from torch's allocator,
   strides that are multiples of 16), which Triton specialises on: the kernel compiled with them is
   the one that runs.
-* ``ARCHS``: the architectures this process compiles for (its share of all five).
+* ``ARCHS``: the architectures this process compiles for (its share of all five); ``dtypes(arch)``
+  the activation dtypes to compile each for.
 * ``ptxas_report(kernel)``: ptxas's own count of registers per thread and spill bytes, with the
   shared memory, whether global loads are vectorised (``ld.global.v2/v4``) and whether any loads
   single bytes (``ld.global.u8/b8``).
@@ -28,28 +29,45 @@ ARCHS = (75, 80, 86, 89, 90)  # Turing, Ampere (A100, RTX 30), Ada (RTX 40), Hop
 SHARDS = min(2, os.cpu_count() or 1)
 
 PRELUDE = """
+import contextlib
+import io
 import os
 import re
 import subprocess
 import tempfile
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 
+# Triton runs ptxas -v itself, with its own flags, to make the cubin: its log is the report of the
+# code that would run, and a second ptxas run (a third of a kernel's compile time) is not needed
+knobs.nvidia.dump_ptxas_log = True
+
 _SHARD, _SHARDS = (int(v) for v in os.environ.get("LLMD_COMPILE_SHARD", "0/1").split("/"))
-# this process's share: 75/86/90 and 80/89 with two (sm_80 compiles three dtypes, the others two)
+# this process's share: 75/86/90 and 80/89 with two (sm_80 compiles three dtypes, the others one)
 ARCHS = tuple(arch for i, arch in enumerate((75, 80, 86, 89, 90)) if i % _SHARDS == _SHARD)
 
 
 def compile_for(fn, signature, constexprs, arch=80, aligned=(), num_warps=4):
     sig = dict(signature, **dict.fromkeys(constexprs, "constexpr"))
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": num_warps})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                                options={"num_warps": num_warps})
     kernel.arch = arch
+    kernel.ptxas_log = log.getvalue()  # empty when the kernel came from Triton's cache
     return kernel
+
+
+def dtypes(arch):
+    # bf16 from sm_80 on (what --dtype auto runs there); fp16 on Turing, which has no bf16, and on sm_80,
+    # where --dtype float16 is a choice (later generations compile it to bf16's tiles and registers:
+    # once is enough); fp32 once, on sm_80 (IEEE dots)
+    return {75: ["fp16"], 80: ["bf16", "fp16", "fp32"]}.get(arch, ["bf16"])
 
 
 def compile_sm80(fn, signature, constexprs):
@@ -58,12 +76,15 @@ def compile_sm80(fn, signature, constexprs):
 
 def ptxas_report(kernel):
     ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        src = f"{tmp}/k.ptx"
-        with open(src, "w") as f:
-            f.write(ptx)
-        log = subprocess.run([get_ptxas(kernel.arch).path, "-v", f"--gpu-name={sm_arch_from_capability(kernel.arch)}",
-                              src, "-o", f"{tmp}/k.o"], capture_output=True, text=True, check=True).stderr
+    log = kernel.ptxas_log
+    if "Used" not in log:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = f"{tmp}/k.ptx"
+            with open(src, "w") as f:
+                f.write(ptx)
+            log = subprocess.run([get_ptxas(kernel.arch).path, "-v", "--regAllocOptLevel=2",
+                                  f"--gpu-name={sm_arch_from_capability(kernel.arch)}", src, "-o", f"{tmp}/k.o"],
+                                 capture_output=True, text=True, check=True).stderr
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, log)) else 0
     return dict(name=kernel.name, arch=kernel.arch, registers=number(r"Used (\\d+) registers"),
                 spill_stores=number(r"(\\d+) bytes spill stores"), spill_loads=number(r"(\\d+) bytes spill loads"),
