@@ -25,7 +25,7 @@ from llmd.daemon.loader import LoadedModel, load_model
 from llmd.daemon.model_source import ModelSource, resolve_model
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.daemon.quantization import QuantConfig
-from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids
+from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids, use_chat_template
 
 
 def _default(name: str) -> Any:
@@ -60,6 +60,7 @@ class EngineArgs:
     cuda_graphs: bool = _default("cuda_graphs")
     speculative: str = _default("speculative")
     draft_model: str | None = _default("draft_model")
+    chat_template: str | None = _default("chat_template")
     models_dir: str | None = _default("models_dir")
     num_blocks: int | None = None
     max_model_len: int | None = None
@@ -154,8 +155,10 @@ class ResolvedArgs:
             torch.OutOfMemoryError: the weights do not fit on the GPU.
             LlmdError subclasses: a model llmd cannot read.
         """
-        loaded = self.load_model()
         tokenizer = load_tokenizer(self.source)
+        if self.args.chat_template is not None:  # (checked before the slow part)
+            use_chat_template(tokenizer, self.args.chat_template)
+        loaded = self.load_model()
         draft = None
         if self.draft_source is not None:
             if load_tokenizer(self.draft_source).get_vocab() != tokenizer.get_vocab():

@@ -64,6 +64,32 @@ def load_tokenizer(source: ModelSource) -> Any:
     return tokenizer
 
 
+MAX_TEMPLATE_CHARS = 256 * 1024
+
+
+def use_chat_template(tokenizer: Any, path: str | os.PathLike[str]) -> None:
+    """Give ``tokenizer`` the chat template in the file ``path`` instead of its own (``--chat-template``),
+    checked by rendering a short chat with it.
+
+    Raises:
+        InvalidModelError: the file cannot be read, is too large, or does not render a chat.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidModelError(f"cannot read the chat template {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip() or len(text) > MAX_TEMPLATE_CHARS:
+        raise InvalidModelError(f"the chat template {path} must be 1 to {MAX_TEMPLATE_CHARS} characters of Jinja")
+    previous, tokenizer.chat_template = tokenizer.chat_template, text
+    try:
+        tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+                                      add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2's TemplateError and what the template's own author raises
+        tokenizer.chat_template = previous
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InvalidModelError(f"the chat template {path} does not render a chat: {reason}") from None
+
+
 def stop_token_ids(tokenizer: Any, config: ModelConfig) -> set[int]:
     """Tokens that end a generation: the generation config's EOS ids, else the tokenizer's."""
     ids = set(config.eos_token_ids)

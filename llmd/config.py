@@ -94,6 +94,11 @@ def _path(value: Any) -> str:
     return str(Path(_text(value)).expanduser())
 
 
+def _file(value: Any) -> str:
+    """A file's path, made absolute here: the background daemon does not share the command's directory."""
+    return str(Path(_text(value)).expanduser().absolute())
+
+
 def _tcp(value: Any) -> str:
     host, _, port = _text(value).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65535:
@@ -215,6 +220,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("draft_model", None, _text, "the smaller model that drafts for --speculative draft: it must share the "
                                        "model's tokenizer (a name from `llmd models`, a path or a cached repo id)",
            "NAME|PATH", "(none)"),
+    Option("chat_template", None, _file, "a Jinja chat template file to use instead of the model's own (one that "
+                                         "renders tools, say)", "FILE", "(the model's)"),
     Option("max_queue_len", 256, lambda v: _whole(v, 1, 1_000_000),
            "waiting requests beyond which new ones are refused as overloaded", "N"),
     Option("idle_unload", 0.0, lambda v: _number(v, 0.0, 60.0 * 24 * 365),

@@ -209,7 +209,8 @@ def test_int8_cache_decode_and_extend_match_reference(num_kv_heads: int, group: 
 def test_stale_inf_and_nan_past_the_sequence_stay_out() -> None:
     # A reused block keeps what its last owner wrote; an fp16 overflow there (inf) or NaN must not
     # reach a sequence whose keys end before it (probability 0 times inf is NaN).
-    for query_lens, seq_lens, run in (([1] * 4, [5, 17, 30, 33], run_decode), ([5, 17, 3, 1], [5, 20, 30, 33], run_extend)):
+    for query_lens, seq_lens, run in (([1] * 4, [5, 17, 30, 33], run_decode),
+                                      ([5, 17, 3, 1], [5, 20, 30, 33], run_extend)):
         batch = paged_batch(query_lens, seq_lens, 2, 2, 64, 16, torch.float32, seed=8)
         expected = reference(batch)
         for row, length in enumerate(seq_lens):

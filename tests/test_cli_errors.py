@@ -230,6 +230,16 @@ def test_start_on_a_gpu_that_is_not_there(capsys, hf_dir: Path, tmp_path: Path,
     assert not (tmp_path / "run" / "daemon.json").exists()
 
 
+def test_start_with_a_chat_template_that_is_not_there_or_not_jinja(capsys, hf_dir: Path, tmp_path: Path) -> None:
+    base = ["start", "--foreground", "--model", str(hf_dir), "--socket-dir", str(tmp_path / "run")]
+    assert main([*base, "--chat-template", str(tmp_path / "nope.jinja")]) == 1
+    assert "cannot read the chat template" in error_line(capsys.readouterr().err)
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    assert main([*base, "--chat-template", str(tmp_path / "bad.jinja")]) == 1
+    assert "does not render a chat" in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run" / "daemon.json").exists()
+
+
 def test_chat_without_a_daemon(capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # not a terminal: one line, whatever else
     assert main(["chat", "--socket-dir", str(tmp_path / "run")]) == 1

@@ -1,9 +1,10 @@
 """The quality gate: every way llmd serves the default model, measured through the public API
 (``prompt_logprobs``, as ``llmd bench --perplexity`` does) on a held-out public-domain text
 (tests/data/richard_iii.txt: Shakespeare, Richard III, act 1 scene 4 to act 2 scene 2; ~4,200
-tokens, of which the tests score the first ~2,100), must keep its perplexity within 2% of exact arithmetic on the same weights: the dense fp32
-model for the checkpoint's own Q4_1 blocks, the dequantised weights for requantised ones. Bit
-equality with another kernel is no constraint; this is (kernels/cpu, README "Quantisation").
+tokens, of which the tests score the first ~2,100), must keep its perplexity within 2% of exact
+arithmetic on the same weights: the dense fp32 model for the checkpoint's own Q4_1 blocks, the
+dequantised weights for requantised ones. Bit equality with another kernel is no constraint; this
+is (kernels/cpu, README "Quantisation").
 
 And the canary: a chat prompt with the assistant's answer begun ("The capital of France is") must
 continue with " Paris" by a margin of more than 4 logits in every setup, through the engine, the

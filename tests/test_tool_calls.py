@@ -198,3 +198,51 @@ def test_a_forced_call_from_a_random_model_parses_and_matches_its_schema(model_d
         for call in calls:
             assert request.choice == "required" or call.name == "get_time"
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_a_chat_template_file_replaces_the_models_own(tmp_path) -> None:
+    """``--chat-template FILE``: read, checked by rendering a chat (a bad one leaves the model's own), used."""
+    from tiny_models import TOOL_CHAT_TEMPLATE
+
+    from llmd.daemon.tokenizer import use_chat_template
+    from llmd.errors import InvalidModelError
+
+    tokenizer = make_tiny_tokenizer()
+    with pytest.raises(InvalidModelError, match="cannot read the chat template"):
+        use_chat_template(tokenizer, tmp_path / "missing.jinja")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['content'] }}")  # no endfor
+    with pytest.raises(InvalidModelError, match="does not render a chat"):
+        use_chat_template(tokenizer, bad)
+    assert call_style(tokenizer) is None  # the model's own, still
+    good = tmp_path / "tools.jinja"
+    good.write_text(TOOL_CHAT_TEMPLATE)
+    use_chat_template(tokenizer, good)
+    assert call_style(tokenizer) == "tags"
+
+
+def test_the_smollm2_tools_template_is_the_models_own_without_tools() -> None:
+    """docs/templates/smollm2-tools.jinja: the default model's chats render as with its own template, and
+    with tools it lists them and takes the calls and results sent back."""
+    from pathlib import Path
+
+    from llmd.daemon.model_source import resolve_model
+    from llmd.daemon.tokenizer import load_tokenizer, use_chat_template
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    assert call_style(tokenizer) is None
+    chats = [CHAT, [{"role": "system", "content": "Be brief."}, *CHAT],
+             [*CHAT, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Oslo?"}]]
+    own = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=g) for c in chats
+           for g in (True, False)]
+    use_chat_template(tokenizer, Path(__file__).parents[1] / "docs" / "templates" / "smollm2-tools.jinja")
+    assert [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=g) for c in chats
+            for g in (True, False)] == own
+    assert call_style(tokenizer) == "tags"
+    messages = template_messages(parse_messages([*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]))
+    text = tokenizer.apply_chat_template(messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_weather"' in text and "<tools>" in text and "You are a helpful AI assistant" in text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<tool_response>18 C</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
