@@ -6,9 +6,8 @@ along a valid output (issue 24: the engine is chosen by measured mask cost).
     .venv/bin/python benchmarks/grammar_engines.py
 
 The outputs walked are the same token sequences for both engines: for each schema, a seeded random
-walk through xgrammar's masks (compact JSON, as llmd generates it) until the grammar completes; each
-is checked to be valid JSON by the schema, and llguidance is given the same compact separators, so
-both engines accept every token. One thread, as the daemon's loop computes the masks.
+walk through the tokens both engines allow (compact JSON, as llmd generates it; llguidance is given
+the same separators) until the grammar completes; each complete one is checked to parse. One thread, as the daemon's loop computes the masks.
 """
 
 from __future__ import annotations
@@ -28,21 +27,27 @@ sys.path.insert(0, str(Path(__file__).parent))
 from structured_output import SCHEMAS  # noqa: E402
 
 
-def walk(xgr, compiled, vocab_size: int, seed: int, max_tokens: int = 200) -> list[int]:
-    """A valid output's tokens: random allowed tokens (EOS once the grammar may end) until it ends."""
+def walk(xgr, compiled, ll, ll_tokenizer, ll_grammar, vocab_size: int, seed: int, max_tokens: int = 200
+         ) -> list[int]:
+    """A valid output's tokens: random tokens both engines allow (xgrammar lets special tokens such as
+    <issue_start> into strings, llguidance does not), EOS once the grammar may end, until it ends."""
+    import llguidance.torch
     import torch
 
     rng = random.Random(seed)
-    matcher = xgr.GrammarMatcher(compiled)
+    matcher, ll_matcher = xgr.GrammarMatcher(compiled), ll.LLMatcher(ll_tokenizer, ll_grammar)
     mask = xgr.allocate_token_bitmask(1, vocab_size)
+    ll_mask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
     tokens: list[int] = []
     while not matcher.is_terminated() and len(tokens) < max_tokens:
         matcher.fill_next_token_bitmask(mask, 0)
+        llguidance.torch.fill_next_token_bitmask(ll_matcher, ll_mask, 0)
         logits = torch.zeros(1, vocab_size)
         xgr.apply_token_bitmask_inplace(logits, mask)
+        xgr.apply_token_bitmask_inplace(logits, ll_mask[:, :mask.shape[1]])
         allowed = torch.nonzero(logits[0] == 0).flatten().tolist()
         token = rng.choice(allowed)
-        assert matcher.accept_token(token)
+        assert matcher.accept_token(token) and ll_matcher.consume_token(token)
         tokens.append(token)
     return tokens
 
@@ -88,7 +93,7 @@ def main() -> None:
         llguidance.LLMatcher(ll_tokenizer, ll_grammar)  # the first matcher compiles the grammar
         compile_s["llguidance"].append(time.perf_counter() - start)
         for w in range(args.walks):
-            tokens = walk(xgr, compiled, vocab_size, seed=1000 * i + w)
+            tokens = walk(xgr, compiled, llguidance, ll_tokenizer, ll_grammar, vocab_size, seed=1000 * i + w)
             if tokens and tokens[-1] == eos:
                 body = tokenizer.decode(tokens[:-1])
                 json.loads(body)  # the walk is a valid output

@@ -10,6 +10,9 @@ greedy and sampled (temperature 0.8, seeded). An answer counts as valid when it 
 strict json.loads) and jsonschema validates it; an answer cut at --max-tokens ("length") is counted
 apart, as it is only the start of a valid one.
 
+With --max-string N, strings the schema leaves unbounded get maxLength N (the advice for a small
+model, which can loop inside such a string until max_tokens: the bound ends the loop).
+
 Cost: 16 chats at once, all constrained to a JSON schema, against the same 16 chats unconstrained;
 output tokens per second over the whole run (the two finish at different lengths, so the rate is
 what compares), alternating, the median of --rounds.
@@ -81,16 +84,32 @@ PROMPTS = ["Answer in JSON.", "Reply with a JSON value for a small example.",
            "What would you say? Use JSON."]
 
 
-def validity(llm, max_tokens: int) -> None:
+def bound_strings(schema: object, max_length: int) -> object:
+    """``schema`` with a maxLength on every string that has no bound, pattern, enum or const (a copy)."""
+    if isinstance(schema, list):
+        return [bound_strings(s, max_length) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bound_strings(v, max_length) for k, v in schema.items()}
+    types = schema.get("type")
+    if (types == "string" or isinstance(types, list) and "string" in types) and not (
+            {"maxLength", "pattern", "enum", "const", "format"} & set(schema)):
+        out["maxLength"] = max_length
+    return out
+
+
+def validity(llm, max_tokens: int, max_string: int | None) -> None:
     import jsonschema
 
     from llmd import SamplingParams
 
     print(f"validity: {len(SCHEMAS)} schemas x {len(PROMPTS)} chats, greedy and sampled, at most {max_tokens} "
-          "tokens each")
+          "tokens each" + (f"; strings without a bound held to {max_string} characters" if max_string else ""))
     for mode, temperature in (("greedy", 0.0), ("sampled", 0.8)):
         chats, params = [], []
         for i, schema in enumerate(SCHEMAS):
+            if max_string:
+                schema = bound_strings(schema, max_string)
             for j, prompt in enumerate(PROMPTS):
                 chats.append([{"role": "user", "content": f"{prompt} The schema: {json.dumps(schema)}"}])
                 fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
@@ -103,6 +122,7 @@ def validity(llm, max_tokens: int) -> None:
         for out, p in zip(outs, params):
             if out.finish_reason == "length":
                 cut += 1
+                print(f"  CUT: {out.text[:160]!r}...")
                 continue
             try:
                 jsonschema.validate(json.loads(out.text), json.loads(p.response_format.spec))
@@ -142,6 +162,9 @@ def main() -> None:
     parser.add_argument("--only", choices=["validity", "cost"], default=None)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-string", type=int, default=None,
+                        help="validity: give each string the schema leaves unbounded this maxLength (a small "
+                             "model can loop inside one until max_tokens)")
     args = parser.parse_args()
     from llmd import LLM
     from llmd.kernels import cpu_profile
@@ -149,7 +172,7 @@ def main() -> None:
     llm = LLM()
     print(cpu_profile.machine_line())
     if args.only in (None, "validity"):
-        validity(llm, args.max_tokens)
+        validity(llm, args.max_tokens, args.max_string)
     if args.only in (None, "cost"):
         cost(llm, args.rounds, args.max_tokens)
 
