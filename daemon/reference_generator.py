@@ -88,18 +88,14 @@ class Generator:
             raise RequestError("the prompt is empty")
         total = len(prompt_ids) + params.max_tokens
         self._check_length(total)
-        rng = None
-        if params.seed is not None:
-            rng = torch.Generator(device=self.device)
-            rng.manual_seed(params.seed)
-        sampler = Sampler()
+        sampler = Sampler()  # (a seeded request's noise is keyed by its seed and position: sampler.py)
         cache = self._new_cache(total)
         hidden = self._forward(prompt_ids, 0, cache)
         length = len(prompt_ids)
         output: list[int] = []
         for i in range(params.max_tokens):
             logits = self.model.compute_logits(hidden[-1:])
-            token = sampler(logits, [SampleRequest(params, prompt_ids, output, rng)]).token_ids[0]
+            token = sampler(logits, [SampleRequest(params, prompt_ids, output, None)]).token_ids[0]
             output.append(token)
             yield token
             if token in stop_token_ids or i == params.max_tokens - 1:

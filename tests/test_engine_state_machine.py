@@ -137,7 +137,9 @@ class EngineMachine(RuleBasedStateMachine):
             check_block_accounting(self.engine)
         assert not self.engine.has_unfinished(), "the engine did not drain"
         assert self.engine.kv.pool.num_free_blocks == self.engine.kv.num_blocks, "blocks leaked"
-        assert not self.engine.requests and not self.engine.runner._generators and not self.engine._grammars
+        assert not self.engine.requests and not self.engine._grammars
+        counts = self.engine.runner.sampler._counts  # penalties' token counts, per request
+        assert counts is None or len(counts) == 0, "penalty counts leaked"
         drafter = self.engine.drafter
         if drafter is not None:
             assert drafter.num_held == 0 and drafter.pool.num_free_blocks == drafter.num_blocks, "draft blocks leaked"

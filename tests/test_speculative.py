@@ -245,6 +245,8 @@ def test_log_probabilities_of_accepted_drafts_are_those_of_one_token_at_a_time(m
     SamplingParams(temperature=0.3, seed=11, max_tokens=40, ignore_eos=True, repetition_penalty=1.05,
                    presence_penalty=0.1)], ids=["plain", "penalised"])
 def test_sampled_rows_speculate_and_a_seed_repeats_itself(model_dir, params: SamplingParams) -> None:
+    """A seeded request's noise is keyed by its position (sampler.py): the same tokens again, and the
+    same as without speculation, drafts kept or not."""
     outs = []
     for _ in range(2):
         engine = make_engine(model_dir, speculative="ngram")
@@ -252,6 +254,7 @@ def test_sampled_rows_speculate_and_a_seed_repeats_itself(model_dir, params: Sam
         assert engine.num_verifications > 0 and engine.num_accepted_tokens > 0
         assert engine.kv.pool.num_free_blocks == engine.num_blocks
     assert outs[0] == outs[1]
+    assert run_engine(make_engine(model_dir, speculative="off"), requests(params)) == outs[0]
 
 
 def _chi_square_z(a: Counter, b: Counter, min_count: int = 10) -> float:

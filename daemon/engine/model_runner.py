@@ -118,7 +118,6 @@ class ModelRunner:
         self.device = model.model.embed_tokens.weight.device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         if cuda_graphs and (reason := _graphs_unsupported(model, self.device)):
             log.warning("--cuda-graphs ignored: %s", reason)
@@ -184,19 +183,8 @@ class ModelRunner:
             torch.cuda.synchronize(dev)
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's RNG and its penalties' counts."""
-        self._generators.pop(request_id, None)
+        """Forget a finished request's penalties' counts."""
         self.sampler.release(request_id)
-
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None:
-            return None
-        gen = self._generators.get(seq.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seq.params.seed)
-            self._generators[seq.request_id] = gen
-        return gen
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
                                                        torch.Tensor | slice, list[tuple[int, int, int]]]:
@@ -277,7 +265,7 @@ class ModelRunner:
             return StepOutput(sampled, None, prompt_logprobs, verified, verified_logprobs)
         logits = self.model.compute_logits(hidden[sample_tokens])
         rows = [
-            SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq), seq.request_id)
+            SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, None, seq.request_id)
             for seq in (batch.seqs[r] for r in sample_rows)
         ]
         own = self._constrain(logits, [batch.seqs[r] for r in sample_rows], grammars, compiler) if grammars else None
@@ -342,7 +330,8 @@ class ModelRunner:
                 out[row] = choices[at:at + n]
             else:
                 seq = batch.seqs[row]
-                request = SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, self._generator(seq))
+                output = seq.output_token_ids[:len(seq.output_token_ids) - len(seq.draft_token_ids)]
+                request = SampleRequest(seq.params, seq.prompt_token_ids, output, None)
                 out[row] = self.sampler.verify_drafts(logits[at:at + n], seq.draft_token_ids, request)
             at += n
         logprobs, at = {}, 0

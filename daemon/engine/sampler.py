@@ -2,8 +2,13 @@
 
 Order per row: penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
 Sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws from ``p``
-exactly; a seeded request draws its noise from its own generator, so its tokens do not depend on
-what else is in the batch.
+exactly. A seeded request's noise for its n-th output token comes from a generator seeded by the
+seed and n alone (:func:`position_generator`), so the token drawn there does not depend on what else
+is in the batch, nor on how the steps before it ran (chunked, one token at a time, or drafts verified
+several at a time: speculative decoding gives a seeded request the very tokens it would have had
+without it). The race, not the inverse CDF at one uniform: a draw by cumulative sums moves when the
+last bits of any of 49,152 probabilities do, as batching moves them; the race only when two tokens
+nearly tie.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class SampleRequest:
-    """What the sampler needs of one row: its params, its tokens so far, its RNG (if seeded), and
-    the request's id (``key``) where the sampler keeps its penalties' counts between steps."""
+    """What the sampler needs of one row: its params, its tokens so far (the drafts being verified not
+    among them), the RNG of an unseeded one (None: torch's default; a seeded one's noise is keyed by
+    its seed and position), and the request's id (``key``) where the sampler keeps its penalties'
+    counts between steps."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -74,10 +81,8 @@ class Sampler:
     def _race(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         """``p / E`` per row (temperature, top-k, top-p, min-p applied), whose argmax is a draw."""
         probs = self._probabilities(logits, rows)
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(rows):
-            noise[i].exponential_(generator=r.generator)
-        return probs / noise
+        generators = [_generator(r, len(r.output_token_ids), probs.device) for r in rows]
+        return probs / exponential_noise(probs, generators)
 
     def _probabilities(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         """What each row samples from: temperature, top-k, top-p, then min-p (zeroed, not renormalised:
@@ -99,30 +104,26 @@ class Sampler:
         return self._apply_penalties(logits, rows)
 
     def verify_drafts(self, logits: torch.Tensor, draft: list[int], row: SampleRequest) -> list[int]:
-        """Speculative decoding's rejection sampling for one sampled row (Leviathan et al. 2023, Chen
-        et al. 2023): ``logits`` ``[k + 1, V]`` at the row's last token and after each of its ``k``
-        drafts, with the penalties of each position already applied (:meth:`penalised`). Returns
-        the drafts kept and then the row's own next token, so that the output is distributed
-        exactly as sampling one token at a time would be.
+        """Speculative decoding's verification for one sampled row: ``logits`` ``[k + 1, V]`` at the
+        row's last token and after each of its ``k`` drafts, with the penalties of each position
+        already applied (:meth:`penalised`). Returns the drafts kept and then the row's own next token.
 
-        The drafts are proposed deterministically (a one-hot draft distribution q), so draft ``d`` is
-        accepted with probability ``min(1, p(d) / q(d)) = p(d)``; the first rejected one is replaced
-        by a draw from ``max(0, p - q)``, which is ``p`` without ``d``; after k accepted drafts the
-        next token is a draw from the last position's ``p``. The draws come from the row's generator
-        (a seeded request repeats itself).
+        Each position is sampled as it would be one token at a time, by the race with that position's
+        noise; a draft is kept while it is what its position draws, and the first position that draws
+        another token gives that token and ends the span. So the output is exactly what sampling one
+        token at a time gives with the same noise (a seeded request: the same tokens, with speculation
+        or without), and a draft ``d`` is kept with probability ``p(d)``, as rejection sampling keeps a
+        deterministic draft (Leviathan et al. 2023). Noise is drawn for the positions reached only.
         """
         k = len(draft)
         probs = self._probabilities(logits, [row] * (k + 1))
-        device = logits.device
-        uniform = torch.rand(k, generator=row.generator, device=device)
-        kept = (uniform < probs[torch.arange(k, device=device), host_tensor(draft, torch.long, device)]).tolist()
-        n = kept.index(False) if False in kept else k
-        p = probs[n]
-        if n < k:
-            p = p.clone()
-            p[draft[n]] = 0.0
-        noise = torch.empty_like(p).exponential_(generator=row.generator)
-        return draft[:n] + [int((p / noise).argmax())]
+        base = len(row.output_token_ids)
+        for i in range(k + 1):
+            noise = exponential_noise(probs[i:i + 1], [_generator(row, base + i, probs.device)])
+            token = argmax_rows(probs[i:i + 1] / noise)[0]
+            if i == k or token != draft[i]:
+                return draft[:i] + [token]
+        raise AssertionError("unreachable: the last position always returns")
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRequest]
@@ -210,6 +211,32 @@ def _counts_from_lists(rows: list[SampleRequest], penalised: list[bool], vocab: 
     if seen_at:
         seen[host_tensor(seen_at, torch.long, device)] = True
     return counts.view(batch, vocab), seen.view(batch, vocab)
+
+
+def position_generator(seed: int, position: int, device: torch.device | str) -> torch.Generator:
+    """The generator of a seeded request's draw for its output token ``position``: seeded by the seed
+    and the position alone (splitmix64 of the two), whatever ran before it."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    generator = torch.Generator(device=device)
+    generator.manual_seed((x ^ (x >> 31)) >> 1)  # torch takes seeds below 2**63
+    return generator
+
+
+def _generator(row: SampleRequest, position: int, device: torch.device) -> torch.Generator | None:
+    seed = row.params.seed
+    return row.generator if seed is None else position_generator(seed, position, device)
+
+
+def exponential_noise(like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """``Exp(1)`` noise shaped as ``like`` ``[B, V]``, row i from ``generators[i]`` (None: torch's
+    default), as ``-log(U)``. NOTE: torch 2.13's CPU ``exponential_`` takes ~1 ms for a row of
+    49,152 (a third of a 16-stream step); ``uniform_`` and a log, ~0.2 ms."""
+    noise = torch.empty_like(like)
+    for i, generator in enumerate(generators):
+        noise[i].uniform_(generator=generator)
+    return noise.log_().neg_()  # U = 0 gives inf: that token cannot win, as p / E with E -> inf
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
