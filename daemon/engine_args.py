@@ -25,7 +25,7 @@ from llmd.daemon.loader import LoadedModel, load_model
 from llmd.daemon.model_source import ModelSource, resolve_model
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.daemon.quantization import QuantConfig
-from llmd.daemon.tokenizer import load_tokenizer, stop_token_ids, use_chat_template
+from llmd.daemon.tokenizer import load_tokenizer, read_chat_template, stop_token_ids, use_chat_template
 
 
 def _default(name: str) -> Any:
@@ -155,10 +155,11 @@ class ResolvedArgs:
             torch.OutOfMemoryError: the weights do not fit on the GPU.
             LlmdError subclasses: a model llmd cannot read.
         """
-        tokenizer = load_tokenizer(self.source)
-        if self.args.chat_template is not None:  # (checked before the slow part)
-            use_chat_template(tokenizer, self.args.chat_template)
+        template = None if self.args.chat_template is None else read_chat_template(self.args.chat_template)
         loaded = self.load_model()
+        tokenizer = load_tokenizer(self.source)
+        if template is not None:
+            use_chat_template(tokenizer, template, self.args.chat_template)
         draft = None
         if self.draft_source is not None:
             if load_tokenizer(self.draft_source).get_vocab() != tokenizer.get_vocab():

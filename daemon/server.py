@@ -268,7 +268,8 @@ class Server:
                 live.text.append(rest)
             if calls:
                 content["tool_calls"] = [call.to_wire() for call in calls]
-                content["finish_reason"] = "tool_calls" if reason == "stop" else reason
+                if reason == "stop" and live.tool_parser.request.choice != "function":  # (as OpenAI's)
+                    content["finish_reason"] = "tool_calls"
         if not live.stream:
             content["text"] = "".join(live.text)
             content["token_ids"] = live.token_ids

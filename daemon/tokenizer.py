@@ -67,23 +67,33 @@ def load_tokenizer(source: ModelSource) -> Any:
 MAX_TEMPLATE_CHARS = 256 * 1024
 
 
-def use_chat_template(tokenizer: Any, path: str | os.PathLike[str]) -> None:
-    """Give ``tokenizer`` the chat template in the file ``path`` instead of its own (``--chat-template``),
-    checked by rendering a short chat with it.
+def read_chat_template(path: str | os.PathLike[str]) -> str:
+    """The chat template in the file ``path`` (``--chat-template``), read before any model loads.
 
     Raises:
-        InvalidModelError: the file cannot be read, is too large, or does not render a chat.
+        InvalidModelError: the file cannot be read, or is empty or too large.
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise InvalidModelError(f"cannot read the chat template {path}: {getattr(e, 'strerror', None) or e}") from None
+        reason = getattr(e, "strerror", None) or e
+        raise InvalidModelError(f"cannot read the chat template {path}: {reason}") from None
     if not text.strip() or len(text) > MAX_TEMPLATE_CHARS:
         raise InvalidModelError(f"the chat template {path} must be 1 to {MAX_TEMPLATE_CHARS} characters of Jinja")
-    previous, tokenizer.chat_template = tokenizer.chat_template, text
+    return text
+
+
+def use_chat_template(tokenizer: Any, template: str, path: str | os.PathLike[str]) -> None:
+    """Give ``tokenizer`` ``template`` (read from ``path``) instead of its own chat template, checked
+    by rendering a chat with it.
+
+    Raises:
+        InvalidModelError: the template does not render a chat (the tokenizer keeps its own).
+    """
+    previous, tokenizer.chat_template = tokenizer.chat_template, template
     try:
-        tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
-                                      add_generation_prompt=True, tokenize=False)
+        # (a user's message alone: some templates refuse a system role)
+        tokenizer.apply_chat_template([{"role": "user", "content": "u"}], add_generation_prompt=True, tokenize=False)
     except Exception as e:  # jinja2's TemplateError and what the template's own author raises
         tokenizer.chat_template = previous
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -33,12 +33,13 @@ from typing import Any
 
 from llmd.daemon.engine.structured_output import ResponseFormat
 from llmd.errors import RequestError
+from llmd.protocol import TOOL_NAME
 
 STYLES = ("tags", "json")
 CHOICES = ("auto", "none", "required")
 MAX_TOOLS = 128
 MAX_TOOLS_CHARS = 256 * 1024  # the tools' JSON text: it is rendered into the prompt and compiled
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's function names
+_NAME = re.compile(TOOL_NAME)
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _TAGGED = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|$)", re.S)
 _PROBE_TOOL = {"type": "function", "function": {"name": "llmd_probe_tool", "description": "probe",
@@ -118,13 +119,44 @@ class ToolRequest:
         if self.choice == "function":
             schema = schemas[self.function]
         elif self.choice == "required":
-            calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+            # each tool's schema moves under the list's items: its $defs move to the root with it
+            defs: dict[str, Any] = {}
+            calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                       "arguments": _hoist_defs(params, f"{i}_", defs)},
                       "required": ["name", "arguments"], "additionalProperties": False}
-                     for name, params in schemas.items()]
+                     for i, (name, params) in enumerate(schemas.items())]
             schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            if defs:
+                schema["$defs"] = defs
         else:
             return None
         return ResponseFormat("json_schema", json.dumps(schema, separators=(",", ":")), origin="tools")
+
+
+def _hoist_defs(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` without its ``$defs`` (and ``definitions``), which go into ``defs`` named ``prefix +
+    name``, its ``#/$defs/name`` references rewritten to match: a schema nested in another resolves
+    its references from the outer one's root."""
+    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not local:
+        return schema
+
+    def rewrite(value: Any) -> Any:
+        if isinstance(value, list):
+            return [rewrite(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        out = {k: rewrite(v) for k, v in value.items()}
+        ref = value.get("$ref")
+        if isinstance(ref, str):
+            for root in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(root) and ref[len(root):].split("/")[0] in local:
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+        return out
+
+    for name, body in local.items():
+        defs[prefix + name] = rewrite(body)
+    return rewrite({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
 
 
 def _check_tool(i: int, tool: Any) -> dict[str, Any]:
@@ -183,10 +215,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             fn = call["function"]
             arguments = fn["arguments"]
             if isinstance(arguments, str):
-                try:
-                    parsed = json.loads(arguments)
-                except ValueError:
-                    parsed = None
+                parsed = _loads(arguments)
                 arguments = parsed if isinstance(parsed, dict) else arguments
             calls.append({**call, "function": {"name": fn["name"], "arguments": arguments}})
         out.append({**m, "tool_calls": calls})
@@ -211,6 +240,7 @@ class ToolCallParser:
         self._names = {t["function"]["name"] for t in request.tools}
         self._held = ""
         self._holding = request.forced  # forced: all of it is the call
+        self._opened = False  # json style: the output's first character seen (it alone decides)
 
     def feed(self, text: str) -> str:
         """The part of ``text`` (after what came before) that cannot be part of a call."""
@@ -220,12 +250,14 @@ class ToolCallParser:
         if self._holding:
             return ""
         if self.style == "json":
-            stripped = self._held.lstrip()
-            if not stripped:
-                return ""
-            if stripped[0] in "{[":
-                self._holding = True  # an answer that opens like a call waits for its end
-                return ""
+            if not self._opened:
+                stripped = self._held.lstrip()
+                if not stripped:
+                    return ""
+                self._opened = True
+                if stripped[0] in "{[":
+                    self._holding = True  # an answer that opens like a call waits for its end
+                    return ""
             out, self._held = self._held, ""
             return out
         start = self._held.find(_OPEN)

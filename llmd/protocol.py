@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import itertools
 import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ REQUEST_TYPES = ("generate", "cancel", "stats", "info", "tokenize", "detokenize"
 REPLY_TYPES = ("accepted", "delta", "done", "error", "stats", "info", "tokens", "pieces", "health", "pong",
                "shutdown", "keepalive")
 MAX_DETOKENIZE_IDS = 4096  # one ``detokenize``: a stream's logprobs ask for a few at a time
+TOOL_NAME = r"[A-Za-z0-9_.-]{1,64}"  # a tool's (function's) name, as OpenAI's API takes it
 
 
 class ErrorCode:
@@ -202,15 +204,18 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
     out = []
     chars = 0
     for m in value:
-        calling = isinstance(m, dict) and "tool_calls" in m  # its content may be absent, or None
         if not isinstance(m, dict) or set(m) - {"role", "content", "tool_calls", "tool_call_id"} or \
-                not isinstance(m.get("role"), str) or \
-                not isinstance(m.get("content") if not calling else m.get("content") or "", str):
+                not isinstance(m.get("role"), str):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, 'each message must be {"role": str, "content": str}')
+        content = m.get("content")
+        if content is None and "tool_calls" in m:  # a message of calls alone: absent or null content
+            content = ""
+        if not isinstance(content, str):
             raise ProtocolError(ErrorCode.BAD_REQUEST, 'each message must be {"role": str, "content": str}')
         role = m["role"]
         if role not in ("system", "user", "assistant", "tool"):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message role {role!r}")
-        message: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
+        message: dict[str, Any] = {"role": role, "content": content}
         if "tool_calls" in m:
             if role != "assistant":
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "only an assistant message has tool_calls")
@@ -240,8 +245,8 @@ def _parse_tool_calls(value: Any) -> list[dict[str, Any]]:
         fn = call.get("function") if isinstance(call, dict) else None
         if (not isinstance(fn, dict) or set(call) - {"id", "type", "function"} or call.get("type", "function") !=
                 "function" or not isinstance(call.get("id", ""), str) or len(call.get("id", "")) > MAX_ID_CHARS
-                or set(fn) != {"name", "arguments"} or not isinstance(fn["name"], str) or not 0 < len(fn["name"]) <= 64
-                or not isinstance(fn["arguments"], str)):
+                or set(fn) != {"name", "arguments"} or not isinstance(fn["name"], str)
+                or not re.fullmatch(TOOL_NAME, fn["name"]) or not isinstance(fn["arguments"], str)):
             raise ProtocolError(ErrorCode.BAD_REQUEST, shape)
         calls.append({"id": call.get("id", ""), "type": "function",
                       "function": {"name": fn["name"], "arguments": fn["arguments"]}})

@@ -270,7 +270,7 @@ def test_tool_calls_round_trip_through_the_openai_sdk(url, model) -> None:
     completion = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL],
                                                 tool_choice=named, max_tokens=80, temperature=0.8, seed=3)
     choice = completion.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.finish_reason == "stop" and choice.message.content is None  # a named function: as OpenAI's
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
@@ -296,6 +296,9 @@ def test_tool_calls_round_trip_through_the_openai_sdk(url, model) -> None:
     alone = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "length"
     assert answer.usage.prompt_tokens > alone.usage.prompt_tokens + len(call.function.arguments)
+    empty = client.chat.completions.create(model=model, messages=messages, tools=[], tool_choice="auto",
+                                           max_tokens=2)  # no tools: an ordinary chat
+    assert empty.choices[0].message.tool_calls is None
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=4,
                                        tool_choice={"type": "function", "function": {"name": "launch"}})

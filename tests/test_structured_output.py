@@ -84,6 +84,30 @@ def test_unconstrained_rows_beside_constrained_ones_are_untouched(model_dir) -> 
     assert re.fullmatch("[a-c]{20}", mixed[2])
 
 
+def test_the_mask_sets_exactly_the_refused_tokens_to_minus_infinity() -> None:
+    """The CPU mask (_sink_cpu) against the tokens the matcher accepts one by one: -inf exactly on the
+    tokens it refuses (so no temperature or penalty can bring one back), the rest untouched, the
+    unconstrained row untouched."""
+    import torch
+    from tiny_models import make_tiny_tokenizer
+
+    from llmd.daemon.engine.structured_output import GrammarCompiler
+
+    tokenizer = make_tiny_tokenizer()
+    vocab = len(tokenizer)
+    compiler = GrammarCompiler(tokenizer, vocab, frozenset({tokenizer.eos_token_id}))
+    grammar = compiler.grammar(ResponseFormat("regex", "[a-c]x"))
+    logits = torch.randn(3, vocab)
+    before = logits.clone()
+    compiler.mask(logits, [grammar, None, grammar])
+    for row in (0, 2):
+        refused = torch.isneginf(logits[row])
+        allowed = [t for t in range(vocab) if grammar.valid_prefix([t]) == 1]
+        assert torch.nonzero(~refused).flatten().tolist() == allowed
+        assert torch.equal(logits[row][~refused], before[row][~refused]) and 0 < len(allowed) < 10
+    assert torch.equal(logits[1], before[1])
+
+
 def test_preemption_and_prefix_hits_keep_the_grammar_in_step(model_dir) -> None:
     """A pool small enough to preempt (the preempted requests recompute their tokens, their grammars
     stay where their output is) and shared prefixes: the same texts as with a large pool, each one

@@ -28,7 +28,12 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
                                                                                   "maximum": 14}},
                                        "required": ["zone"], "additionalProperties": False}}}
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+PLACE = {"type": "function", "function": {  # as Pydantic writes a schema: its enum in $defs
+    "name": "find_place", "parameters": {
+        "$defs": {"Kind": {"enum": ["cafe", "park", "museum"], "type": "string"}},
+        "type": "object", "properties": {"kind": {"$ref": "#/$defs/Kind"}}, "required": ["kind"],
+        "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME, PLACE)}
 CHAT = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -92,6 +97,8 @@ def test_calls_sent_back_render_with_their_results() -> None:
     assert messages[1]["content"] == "" and messages[2]["tool_call_id"] == "call_1"
     rendered = template_messages(messages)
     assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "C"}
+    deep = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100_000}}]}]
+    assert template_messages(parse_messages(deep))[0]["tool_calls"][0]["function"]["arguments"] == "[" * 100_000
     text = make_tiny_tokenizer(tools=True).apply_chat_template(rendered, tools=[WEATHER], tokenize=False)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>' in text
     assert "<tool_response>21 C, sunny</tool_response>" in text
@@ -102,6 +109,9 @@ def test_calls_sent_back_render_with_their_results() -> None:
         ({"role": "user", "content": "x", "tool_call_id": "c"}, "only a tool message"),
         ({"role": "tool"}, "each message must be"),
         ({"role": "tool", "content": "21 C"}, "answers the tool_calls of the assistant message before it"),
+        ({"role": "assistant", "content": 0, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+         "each message must be"),
+        ({"role": "assistant", "tool_calls": [{"function": {"name": "a b", "arguments": "{}"}}]}, "tool_calls must"),
     ]:
         with pytest.raises(ProtocolError, match=message):
             parse_messages([bad])
@@ -151,6 +161,10 @@ def test_json_style_and_forced_calls_are_parsed_at_the_end() -> None:
     assert (sent, rest, calls) == ("It is sunny.", "", [])
     sent, rest, calls = feed_all(ToolCallParser(auto, "json"), ['{"answer": 42}'])  # JSON, but not a call
     assert (sent, rest, calls) == ("", '{"answer": 42}', [])
+    # only the output's opening decides: a later piece that opens with { streams on as text
+    parser = ToolCallParser(auto, "json")
+    assert parser.feed("Here: ") == "Here: " and parser.feed('{"name": "get_time", "parameters": {}}') != ""
+    assert parser.finish() == ("", [])
     named = ToolRequest.parse([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}})
     sent, rest, calls = feed_all(ToolCallParser(named, None), ['{"city":"Oslo",', '"unit":"F"}'])
     assert sent == rest == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
@@ -175,7 +189,7 @@ def test_a_forced_call_from_a_random_model_parses_and_matches_its_schema(model_d
     engine = make_engine(model_dir, num_blocks=256)
     outputs = {}
     for i, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}] * 3):
-        request = ToolRequest.parse([WEATHER, TIME], choice)
+        request = ToolRequest.parse([WEATHER, TIME, PLACE], choice)  # (PLACE's $defs move to the root)
         params = SamplingParams(temperature=temperature, max_tokens=200, seed=i,
                                 response_format=request.response_format())
         engine.add_request(f"r{i}", [3 + (7 * i + k) % 200 for k in range(8)], params,
@@ -190,7 +204,7 @@ def test_a_forced_call_from_a_random_model_parses_and_matches_its_schema(model_d
     engine.add_request("free", [3 + k for k in range(8)], SamplingParams(temperature=temperature, max_tokens=60,
                                                                           seed=9))
     free = "".join(d.text for _ in range(200) if engine.has_unfinished() for d in engine.step())
-    assert feed_all(ToolCallParser(ToolRequest.parse([WEATHER, TIME], "required"), None), [free])[2] == []
+    assert feed_all(ToolCallParser(ToolRequest.parse([WEATHER, TIME, PLACE], "required"), None), [free])[2] == []
     for request, pieces in outputs.values():
         parser = ToolCallParser(request, "tags")
         sent, rest, calls = feed_all(parser, pieces)
@@ -204,20 +218,23 @@ def test_a_chat_template_file_replaces_the_models_own(tmp_path) -> None:
     """``--chat-template FILE``: read, checked by rendering a chat (a bad one leaves the model's own), used."""
     from tiny_models import TOOL_CHAT_TEMPLATE
 
-    from llmd.daemon.tokenizer import use_chat_template
+    from llmd.daemon.tokenizer import read_chat_template, use_chat_template
     from llmd.errors import InvalidModelError
 
     tokenizer = make_tiny_tokenizer()
     with pytest.raises(InvalidModelError, match="cannot read the chat template"):
-        use_chat_template(tokenizer, tmp_path / "missing.jinja")
+        read_chat_template(tmp_path / "missing.jinja")
+    (tmp_path / "empty.jinja").write_text("  \n")
+    with pytest.raises(InvalidModelError, match="must be 1 to"):
+        read_chat_template(tmp_path / "empty.jinja")
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m['content'] }}")  # no endfor
     with pytest.raises(InvalidModelError, match="does not render a chat"):
-        use_chat_template(tokenizer, bad)
+        use_chat_template(tokenizer, read_chat_template(bad), bad)
     assert call_style(tokenizer) is None  # the model's own, still
     good = tmp_path / "tools.jinja"
     good.write_text(TOOL_CHAT_TEMPLATE)
-    use_chat_template(tokenizer, good)
+    use_chat_template(tokenizer, read_chat_template(good), good)
     assert call_style(tokenizer) == "tags"
 
 
@@ -227,7 +244,7 @@ def test_the_smollm2_tools_template_is_the_models_own_without_tools() -> None:
     from pathlib import Path
 
     from llmd.daemon.model_source import resolve_model
-    from llmd.daemon.tokenizer import load_tokenizer, use_chat_template
+    from llmd.daemon.tokenizer import load_tokenizer, read_chat_template, use_chat_template
 
     tokenizer = load_tokenizer(resolve_model(None))
     assert call_style(tokenizer) is None
@@ -235,7 +252,8 @@ def test_the_smollm2_tools_template_is_the_models_own_without_tools() -> None:
              [*CHAT, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Oslo?"}]]
     own = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=g) for c in chats
            for g in (True, False)]
-    use_chat_template(tokenizer, Path(__file__).parents[1] / "docs" / "templates" / "smollm2-tools.jinja")
+    path = Path(__file__).parents[1] / "docs" / "templates" / "smollm2-tools.jinja"
+    use_chat_template(tokenizer, read_chat_template(path), path)
     assert [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=g) for c in chats
             for g in (True, False)] == own
     assert call_style(tokenizer) == "tags"

@@ -220,7 +220,9 @@ def position_generator(seed: int, position: int, device: torch.device | str) -> 
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     generator = torch.Generator(device=device)
-    generator.manual_seed((x ^ (x >> 31)) >> 1)  # torch takes seeds below 2**63
+    # NOTE: below 2**63, as torch takes them; the CPU's mt19937 keeps the low 32 bits (well mixed
+    # here), CUDA's Philox all of them
+    generator.manual_seed((x ^ (x >> 31)) >> 1)
     return generator
 
 

@@ -241,9 +241,6 @@ class GrammarCompiler:
             self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
 
 
-SUNK = -3e38  # a masked logit on the CPU (see _sink_cpu)
-
-
 def _torch() -> Any:
     import torch  # (not at import: SamplingParams imports this module, and loads no torch)
 
@@ -251,26 +248,25 @@ def _torch() -> Any:
 
 
 def _sink_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
-    """Add SUNK to the logits of ``rows`` that ``bitmask`` (xgrammar's: bit j of word i is token
-    32 i + j) does not allow. NOTE: xgrammar's CPU kernel (and torch's masked_fill, numpy's where)
+    """Set to -inf the logits of ``rows`` that ``bitmask`` (xgrammar's: bit j of word i is token
+    32 i + j) does not allow. NOTE: xgrammar's CPU kernel (like torch's masked_fill and numpy's where)
     writes -inf token by token, branching on each bit: ~1.8 ms for 16 rows of 49,152 tokens, a tenth
-    of a 16-stream sampled step; unpacking the bits and adding a 0 or SUNK per token runs in four
-    vector passes, ~0.4 ms. SUNK sinks a token as -inf does: softmax gives it 0, the race and argmax
-    never pick it, temperatures and penalties keep it below any real logit."""
+    of a 16-stream sampled step. Here the bits are unpacked and each becomes 0.0 or -inf by integer
+    ops alone ((bit - 1) & the bits of -inf), then added: a few vector passes, ~0.4 ms."""
     import numpy as np
 
     torch = _torch()
     index = torch.tensor(rows) if len(rows) < logits.shape[0] else None
     words = (bitmask if index is None else bitmask[index]).numpy()
     allowed = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
-    bias = allowed.astype(np.float32)
-    bias -= 1.0
-    bias *= -SUNK
+    bias = allowed.astype(np.int32)
+    bias -= 1  # 0 where allowed, all ones where not
+    bias &= np.int32(-0x800000)  # 0xFF800000: the bits of float32 -inf
     with torch.inference_mode():  # (the logits are the model's inference tensors)
         if index is None:
-            logits[:, :vocab_size] += torch.from_numpy(bias)
+            logits[:, :vocab_size] += torch.from_numpy(bias.view(np.float32))
         else:
-            logits[index, :vocab_size] += torch.from_numpy(bias)
+            logits[index, :vocab_size] += torch.from_numpy(bias.view(np.float32))
 
 
 _LAX_STRING_CHAR = '[^\\"\\\\\\r\\n]'  # as xgrammar prints it: [^\"\\\r\n]

@@ -110,11 +110,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _bench_llm(args: argparse.Namespace) -> Any:
     """``llmd bench --in-process``: the engine in this process, built from the settings as the
-    daemon builds it, so the two compare."""
+    daemon builds it, so the two compare; unpaced for a perplexity (whose last digits would else
+    move with the machine's load: llmd.daemon.llm)."""
     from llmd.daemon.llm import LLM
 
     try:
-        return LLM(**runtime_settings(settings_of(args)))
+        return LLM(**runtime_settings(settings_of(args), paced=args.perplexity is None))
     except ValueError as e:
         raise LlmdError(str(e)) from None
 

@@ -133,8 +133,8 @@ class ChatCompletionRequest(_Sampling):
         fields: dict[str, Any] = {}
         if self.tools:
             fields["tools"] = self.tools
-        if self.tool_choice is not None and (self.tools or self.tool_choice != "none"):
-            fields["tool_choice"] = self.tool_choice
+        if self.tool_choice is not None and (self.tools or self.tool_choice not in ("none", "auto")):
+            fields["tool_choice"] = self.tool_choice  # (a forced choice without tools: the daemon's 400)
         return fields
 
     def sampling(self) -> dict[str, Any]:
