@@ -95,7 +95,7 @@ class Generator:
         output: list[int] = []
         for i in range(params.max_tokens):
             logits = self.model.compute_logits(hidden[-1:])
-            token = sampler(logits, [SampleRequest(params, prompt_ids, output, None)]).token_ids[0]
+            token = sampler(logits, [SampleRequest(params, prompt_ids, output)]).token_ids[0]
             output.append(token)
             yield token
             if token in stop_token_ids or i == params.max_tokens - 1:

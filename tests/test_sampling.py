@@ -20,8 +20,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("smp") / "m", with_tokenizer=True)
 
 
-def rows(params: SamplingParams, n: int = 1, gen: torch.Generator | None = None) -> list[SampleRequest]:
-    return [SampleRequest(params, [1, 2], [], gen) for _ in range(n)]
+def rows(params: SamplingParams, n: int = 1) -> list[SampleRequest]:
+    return [SampleRequest(params, [1, 2], []) for _ in range(n)]
 
 
 def draw(logits: list[float], params: SamplingParams, n: int = 2000) -> set[int]:
@@ -49,9 +49,9 @@ def test_sampling_follows_the_distribution() -> None:
 
 def test_mixed_batch_rows_keep_their_own_params() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]] * 3)
-    reqs = [SampleRequest(SamplingParams(temperature=0), [], [], None),
-            SampleRequest(SamplingParams(temperature=1.0, top_k=1), [], [], None),
-            SampleRequest(SamplingParams(temperature=5.0, top_k=2), [], [], None)]
+    reqs = [SampleRequest(SamplingParams(temperature=0), [], []),
+            SampleRequest(SamplingParams(temperature=1.0, top_k=1), [], []),
+            SampleRequest(SamplingParams(temperature=5.0, top_k=2), [], [])]
     for _ in range(50):
         a, b, c = Sampler()(logits, reqs).token_ids
         assert a == 1 and b == 1 and c in (1, 2)
@@ -59,13 +59,13 @@ def test_mixed_batch_rows_keep_their_own_params() -> None:
 
 def test_penalties() -> None:
     logits = torch.tensor([[2.0, 1.9, -1.0]])
-    rep = SampleRequest(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [], None)
+    rep = SampleRequest(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [])
     assert Sampler()(logits, [rep]).token_ids == [1]  # 2.0/2 < 1.9
-    rep_neg = SampleRequest(SamplingParams(temperature=0, repetition_penalty=2.0), [2], [], None)
+    rep_neg = SampleRequest(SamplingParams(temperature=0, repetition_penalty=2.0), [2], [])
     assert Sampler()(torch.tensor([[-0.5, -0.6, -0.4]]), [rep_neg]).token_ids == [0]  # -0.4*2 < -0.5
-    freq = SampleRequest(SamplingParams(temperature=0, frequency_penalty=0.1), [], [0, 0], None)
+    freq = SampleRequest(SamplingParams(temperature=0, frequency_penalty=0.1), [], [0, 0])
     assert Sampler()(logits, [freq]).token_ids == [1]  # 2.0 - 0.2 < 1.9
-    pres = SampleRequest(SamplingParams(temperature=0, presence_penalty=0.05), [], [0, 0], None)
+    pres = SampleRequest(SamplingParams(temperature=0, presence_penalty=0.05), [], [0, 0])
     assert Sampler()(logits, [pres]).token_ids == [0]  # 2.0 - 0.05 > 1.9: presence counts once
 
 
@@ -73,10 +73,10 @@ def test_penalties_in_a_batch_apply_to_their_own_rows() -> None:
     """Penalties are scattered for all rows at once: each row's own tokens, nobody else's; rows
     without penalties and greedy/sampled rows side by side keep theirs (one argmax for all)."""
     logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]] * 4)
-    reqs = [SampleRequest(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [], None),     # -> 1
-            SampleRequest(SamplingParams(temperature=0, frequency_penalty=0.3), [], [1, 0, 0], None),  # -> 1
-            SampleRequest(SamplingParams(temperature=0), [0, 1], [0, 0, 0], None),                    # -> 0
-            SampleRequest(SamplingParams(temperature=1.0, top_k=1, presence_penalty=2.0), [], [0], None)]  # -> 1
+    reqs = [SampleRequest(SamplingParams(temperature=0, repetition_penalty=2.0), [0], []),     # -> 1
+            SampleRequest(SamplingParams(temperature=0, frequency_penalty=0.3), [], [1, 0, 0]),  # -> 1
+            SampleRequest(SamplingParams(temperature=0), [0, 1], [0, 0, 0]),                    # -> 0
+            SampleRequest(SamplingParams(temperature=1.0, top_k=1, presence_penalty=2.0), [], [0])]  # -> 1
     for _ in range(20):
         assert Sampler()(logits, reqs).token_ids == [1, 1, 0, 1]
 
@@ -84,9 +84,9 @@ def test_penalties_in_a_batch_apply_to_their_own_rows() -> None:
 def test_logprobs_of_a_mixed_batch() -> None:
     """Rows that asked for log-probabilities get theirs (their own top-n), the others None."""
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]])
-    reqs = [SampleRequest(SamplingParams(temperature=0, logprobs=1), [], [], None),
-            SampleRequest(SamplingParams(temperature=0), [], [], None),
-            SampleRequest(SamplingParams(temperature=1.0, top_k=1, logprobs=3), [], [], None)]
+    reqs = [SampleRequest(SamplingParams(temperature=0, logprobs=1), [], []),
+            SampleRequest(SamplingParams(temperature=0), [], []),
+            SampleRequest(SamplingParams(temperature=1.0, top_k=1, logprobs=3), [], [])]
     res = Sampler()(logits, reqs)
     assert res.token_ids == [1, 0, 2] and res.logprobs[1] is None
     ref = torch.log_softmax(logits, dim=-1)
@@ -282,8 +282,8 @@ def test_penalty_counts_kept_between_steps_match_counts_from_the_token_lists() -
             del live["r2"]
             live["r9"] = (SamplingParams(temperature=0, frequency_penalty=1.5), [1, 2, 3], [])
         logits = torch.randn(len(live), vocab, generator=g)
-        keyed = [SampleRequest(p, prompt, out, None, key) for key, (p, prompt, out) in live.items()]
-        unkeyed = [SampleRequest(p, prompt, out, None) for p, prompt, out in live.values()]
+        keyed = [SampleRequest(p, prompt, out, key) for key, (p, prompt, out) in live.items()]
+        unkeyed = [SampleRequest(p, prompt, out) for p, prompt, out in live.values()]
         want = fresh._apply_penalties(logits, unkeyed)
         assert torch.equal(kept._apply_penalties(logits, keyed), want), step
         assert not torch.equal(want, logits)

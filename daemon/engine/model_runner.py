@@ -149,7 +149,7 @@ class ModelRunner:
             rows = min(num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[:rows])
             params = SamplingParams(temperature=1.0, top_p=0.9)
-            self.sampler(logits, [SampleRequest(params, [], [], None)] * rows)
+            self.sampler(logits, [SampleRequest(params, [], [])] * rows)
         finally:
             self.kv_caches = caches
 
@@ -171,14 +171,14 @@ class ModelRunner:
                                      block_tables=torch.arange(-(-n // bs), device=dev)[None, :])
             hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev),
                                 self.kv_caches, meta)
-            self.sampler(self.model.compute_logits(hidden[-1:]), [SampleRequest(params, [], [], None)])
+            self.sampler(self.model.compute_logits(hidden[-1:]), [SampleRequest(params, [], [])])
         for r in rows:  # a decode step of r sequences, each on a block of its own, its second token
             meta = AttentionMetadata(slot_mapping=torch.arange(r, device=dev) * bs + 1, query_lens=[1] * r,
                                      seq_lens=[2] * r, block_tables=torch.arange(r, device=dev)[:, None])
             hidden = self.model(torch.zeros(r, dtype=torch.long, device=dev), torch.ones(r, dtype=torch.long,
                                                                                          device=dev),
                                 self.kv_caches, meta)
-            self.sampler(self.model.compute_logits(hidden), [SampleRequest(params, [], [], None)] * r)
+            self.sampler(self.model.compute_logits(hidden), [SampleRequest(params, [], [])] * r)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -265,7 +265,7 @@ class ModelRunner:
             return StepOutput(sampled, None, prompt_logprobs, verified, verified_logprobs)
         logits = self.model.compute_logits(hidden[sample_tokens])
         rows = [
-            SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, None, seq.request_id)
+            SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.request_id)
             for seq in (batch.seqs[r] for r in sample_rows)
         ]
         own = self._constrain(logits, [batch.seqs[r] for r in sample_rows], grammars, compiler) if grammars else None
@@ -318,7 +318,7 @@ class ModelRunner:
                     logits = raw.clone()
                 draft = seq.draft_token_ids
                 output = seq.output_token_ids[:len(seq.output_token_ids) - len(draft)]  # (the drafts are in it)
-                positions = [SampleRequest(seq.params, seq.prompt_token_ids, output + draft[:i], None)
+                positions = [SampleRequest(seq.params, seq.prompt_token_ids, output + draft[:i])
                              for i in range(n)]
                 logits[at:at + n] = self.sampler.penalised(raw[at:at + n], positions)
             at += n
@@ -331,7 +331,7 @@ class ModelRunner:
             else:
                 seq = batch.seqs[row]
                 output = seq.output_token_ids[:len(seq.output_token_ids) - len(seq.draft_token_ids)]
-                request = SampleRequest(seq.params, seq.prompt_token_ids, output, None)
+                request = SampleRequest(seq.params, seq.prompt_token_ids, output)
                 out[row] = self.sampler.verify_drafts(logits[at:at + n], seq.draft_token_ids, request)
             at += n
         logprobs, at = {}, 0

@@ -25,14 +25,12 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 @dataclass(slots=True)
 class SampleRequest:
     """What the sampler needs of one row: its params, its tokens so far (the drafts being verified not
-    among them), the RNG of an unseeded one (None: torch's default; a seeded one's noise is keyed by
-    its seed and position), and the request's id (``key``) where the sampler keeps its penalties'
-    counts between steps."""
+    among them), and the request's id (``key``) where the sampler keeps its penalties' counts between
+    steps. (Its noise: keyed by its seed and position when seeded, else torch's default generator.)"""
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None
     key: str | None = None
 
 
@@ -228,7 +226,7 @@ def position_generator(seed: int, position: int, device: torch.device | str) -> 
 
 def _generator(row: SampleRequest, position: int, device: torch.device) -> torch.Generator | None:
     seed = row.params.seed
-    return row.generator if seed is None else position_generator(seed, position, device)
+    return None if seed is None else position_generator(seed, position, device)
 
 
 def exponential_noise(like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
