@@ -7,7 +7,8 @@ along a valid output (issue 24: the engine is chosen by measured mask cost).
 
 The outputs walked are the same token sequences for both engines: for each schema, a seeded random
 walk through the tokens both engines allow (compact JSON, as llmd generates it; llguidance is given
-the same separators) until the grammar completes; each complete one is checked to parse. One thread, as the daemon's loop computes the masks.
+the same separators) until the grammar completes; each complete one is checked to parse. One
+thread, as the daemon's loop computes the masks.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def walk(xgr, compiled, ll, ll_tokenizer, ll_grammar, vocab_size: int, seed: int
         xgr.apply_token_bitmask_inplace(logits, ll_mask[:, :mask.shape[1]])
         allowed = torch.nonzero(logits[0] == 0).flatten().tolist()
         token = rng.choice(allowed)
-        assert matcher.accept_token(token) and ll_matcher.consume_token(token)
+        if not (matcher.accept_token(token) and ll_matcher.consume_token(token)):
+            raise RuntimeError(f"a token both engines allowed was refused: {token}")
         tokens.append(token)
     return tokens
 
@@ -109,8 +111,8 @@ def main() -> None:
                 t2 = time.perf_counter()
                 mask_us["xgrammar"].append((t1 - t0) * 1e6)
                 mask_us["llguidance"].append((t2 - t1) * 1e6)
-                assert x_matcher.accept_token(token)
-                assert ll_matcher.consume_token(token), (i, ll_matcher.get_error())
+                if not x_matcher.accept_token(token) or not ll_matcher.consume_token(token):
+                    raise RuntimeError(f"schema {i}: token {token} refused on the walk ({ll_matcher.get_error()})")
                 num_tokens += 1
 
     print(f"{len(SCHEMAS)} schemas, {num_tokens} masks along {len(SCHEMAS) * args.walks} valid outputs; "

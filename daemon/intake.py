@@ -172,9 +172,8 @@ class Intake:
                 _fit_context(live, ids, self.engine.max_request_tokens)
                 grammar = None if live.grammar is None else live.grammar.result()
                 live.grammar = None
-                if live.tools is not None:  # (the style matters to auto alone; the encoder found it then)
-                    style = self.encoder.tool_style if live.tools.choice == "auto" else None
-                    live.tool_parser = ToolCallParser(live.tools, style)
+                if live.tools is not None:
+                    live.tool_parser = ToolCallParser(live.tools, self.encoder.tool_style)
                 self.engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority,
                                         grammar=grammar)
             except ProtocolError as e:

@@ -52,8 +52,8 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.max_request_tokens = max_request_tokens
         self._max_bytes: int | None = None  # found on the worker, at the first request
-        self._tool_style: str | None = None
-        self._tool_style_known = False
+        # how the model writes tool calls, None if its template renders no tools (a millisecond: now)
+        self.tool_style = call_style(tokenizer)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmd-encode")
 
@@ -78,14 +78,6 @@ class PromptEncoder:
             if self._max_bytes is None:
                 self._max_bytes = self.max_request_tokens * max_token_bytes(self.tokenizer)
             return self._max_bytes
-
-    @property
-    def tool_style(self) -> str | None:
-        """How the model writes tool calls; None if its template does not render tools (found once)."""
-        with self._lock:
-            if not self._tool_style_known:
-                self._tool_style, self._tool_style_known = call_style(self.tokenizer), True
-            return self._tool_style
 
     def encode(self, content: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The token ids of a request's prompt (synchronously; :meth:`submit` runs this)."""

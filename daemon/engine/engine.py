@@ -40,7 +40,7 @@ KV_CACHE_DTYPE_CHOICES = OPTIONS["kv_cache_dtype"].choices
 
 
 def _speculates(params: SamplingParams) -> bool:
-    """Whether a request's drafts are verified: greedy or sampled (rejection sampling), with
+    """Whether a request's drafts are verified: greedy or sampled (Sampler.verify_drafts), with
     penalties (each drafted position's own, ModelRunner._verify) and log-probabilities or without,
     with a response format or without (its drafts checked against its grammar), but not with prompt
     log-probabilities (such a request computes its whole prompt anyway)."""

@@ -235,16 +235,12 @@ class GrammarCompiler:
                 g.fill_masks(bitmask, row, draft)
                 masked.extend(range(row, row + len(draft) + 1))
             row += len(draft) + 1
-        if logits.device.type == "cpu" and logits.dtype == _torch().float32:
+        import torch  # (not at import: SamplingParams imports this module, and loads no torch)
+
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
             _sink_cpu(logits, bitmask, masked, self.vocab_size)
         else:
             self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
-
-
-def _torch() -> Any:
-    import torch  # (not at import: SamplingParams imports this module, and loads no torch)
-
-    return torch
 
 
 def _sink_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
@@ -254,8 +250,8 @@ def _sink_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], voca
     of a 16-stream sampled step. Here the bits are unpacked and each becomes 0.0 or -inf by integer
     ops alone ((bit - 1) & the bits of -inf), then added: a few vector passes, ~0.4 ms."""
     import numpy as np
+    import torch
 
-    torch = _torch()
     index = torch.tensor(rows) if len(rows) < logits.shape[0] else None
     words = (bitmask if index is None else bitmask[index]).numpy()
     allowed = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
