@@ -7,11 +7,11 @@ against their JSON schema, and what the grammar masks cost at 16 streams.
 Validity: the schemas below (nested objects, arrays with min/max items, enums, bounded numbers,
 required and optional properties, strings with patterns and lengths), each asked for in 5 chats,
 greedy and sampled (temperature 0.8, seeded). An answer counts as valid when it parses (Python's
-strict json.loads) and jsonschema validates it; an answer cut at --max-tokens ("length") is counted
-apart, as it is only the start of a valid one.
+strict json.loads) and jsonschema validates it, whatever its finish reason; those that end "length"
+(the model looped until the budget, and the engine closed its JSON to fit) are counted too, and shown.
 
 With --max-string N, strings the schema leaves unbounded get maxLength N (the advice for a small
-model, which can loop inside such a string until max_tokens: the bound ends the loop).
+model, which can loop inside such a string until max_tokens: the bound ends the loop sooner).
 
 Cost: 16 chats at once, all constrained to a JSON schema, against the same 16 chats unconstrained;
 each request runs to --max-tokens either way (the same rows in every step: what differs is the
@@ -118,21 +118,19 @@ def validity(llm, max_tokens: int, max_string: int | None) -> None:
         start = time.perf_counter()
         outs = llm.chat(chats, params)
         seconds = time.perf_counter() - start
-        valid = cut = bad = 0
+        valid = closed = 0
         for out, p in zip(outs, params):
-            if out.finish_reason == "length":
-                cut += 1
-                print(f"  CUT: {out.text[:160]!r}...")
-                continue
+            closed += out.finish_reason == "length"
             try:
                 jsonschema.validate(json.loads(out.text), json.loads(p.response_format.spec))
                 valid += 1
             except (json.JSONDecodeError, jsonschema.ValidationError) as e:
-                bad += 1
-                print(f"  INVALID: {out.text!r}: {str(e).splitlines()[0]}")
-        done = valid + bad
-        print(f"  {mode:<8} {valid}/{done} finished answers valid ({100 * valid / max(done, 1):.0f}%), {cut} cut at "
-              f"max_tokens; {sum(len(o.token_ids) for o in outs) / seconds:.0f} tok/s")
+                print(f"  INVALID ({out.finish_reason}): {out.text[:300]!r}: {str(e).splitlines()[0]}")
+                continue
+            if out.finish_reason == "length":
+                print(f"  closed at max_tokens: {out.text[:100]!r}...{out.text[-60:]!r}")
+        print(f"  {mode:<8} {valid}/{len(outs)} answers valid ({100 * valid / len(outs):.0f}%), {closed} of them "
+              f"ended by max_tokens; {sum(len(o.token_ids) for o in outs) / seconds:.0f} tok/s")
 
 
 def cost(llm, rounds: int, max_tokens: int) -> None:

@@ -74,6 +74,71 @@ def test_outputs_hold_their_format_greedy_and_sampled(model_dir) -> None:
     assert not any(re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) or t in ("yes", "no") for t in free)
 
 
+def finished(engine, params: list[SamplingParams], speculate: bool = False) -> list[tuple[str, str]]:
+    """Each request's text and finish reason (the requests join together)."""
+    out: dict[str, list[str]] = {f"r{i}": ["", ""] for i in range(len(params))}
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", [(7 * i + k) % 200 + 3 for k in range(5)], p)
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id][0] += delta.text
+            if delta.finished:
+                out[delta.request_id][1] = delta.finish_reason
+    return [tuple(out[f"r{i}"]) for i in range(len(params))]
+
+
+# What a small model loops in until max_tokens: unbounded strings, arrays, a pattern's repeat.
+LOOPY = [{"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+             "type": "string"}}, "ok": {"type": "boolean"}}, "required": ["name", "tags", "ok"]},
+         {"type": "object", "properties": {"version": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)+$"},
+                                           "inner": {"type": "object", "properties": {"n": {"type": "integer",
+                                                                                            "minimum": 1950}},
+                                                     "required": ["n"]}}, "required": ["version", "inner"]}]
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_a_constrained_output_closes_within_its_budget(model_dir, monkeypatch, speculative: str) -> None:
+    """Near the end of its budget (max_tokens here; the context alike), a constrained row follows a plan
+    that completes its grammar: every output parses and validates, whatever the budget, and says
+    ``length`` when the budget, not the model, ended it. The canary: with no closing window, the
+    same requests are cut mid-JSON."""
+    import jsonschema
+
+    from llmd.daemon.engine import structured_output
+
+    def run() -> list[tuple[str, str]]:
+        params = [SamplingParams(temperature=t, seed=n, max_tokens=n, response_format={
+                      "type": "json_schema", "json_schema": {"schema": schema}})
+                  for schema in LOOPY for n in (40, 57, 80, 120) for t in (0.0, 1.0)]
+        return finished(make_engine(model_dir, speculative=speculative), params)
+
+    closed = run()
+    for (text, reason), (schema, _, _) in zip(closed, [(s, n, t) for s in LOOPY for n in range(4) for t in range(2)]):
+        jsonschema.validate(json.loads(text), schema)
+        assert reason in ("stop", "length")
+    assert sum(reason == "length" for _, reason in closed) >= 8  # the random model loops: most hit the budget
+    monkeypatch.setattr(structured_output, "CLOSE_WINDOW", 0)
+    cut = run()
+    assert sum(not _parses(text) for text, _ in cut) >= 8
+
+
+def test_a_budget_too_small_to_close_is_cut_not_failed(model_dir) -> None:
+    """No plan fits: the row follows it as far as it goes and ends at max_tokens, as any request."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    ((text, reason),) = finished(make_engine(model_dir), [SamplingParams(
+        temperature=0, max_tokens=3, response_format={"type": "json_schema", "json_schema": {"schema": schema}})])
+    assert reason == "length" and text.startswith("{") and not _parses(text)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
 def test_unconstrained_rows_beside_constrained_ones_are_untouched(model_dir) -> None:
     plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     alone = texts(make_engine(model_dir), [plain, plain])

@@ -406,6 +406,9 @@ class LLMEngine:
                 continue
             # the drafts and the model's own token stay within max_tokens and the context
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            grammar = self._grammars.get(seq.request_id)
+            if grammar is not None:  # a constrained row's drafts end before its closing (structured_output)
+                room = min(room, grammar.draft_room(room + 1))
             k = min(req.drafts.next(cost), room)
             if k > 0:
                 wants.append((seq, k))
@@ -451,7 +454,8 @@ class LLMEngine:
                 log.error("request %s: token %d is outside its response format; ending it", seq.request_id, token)
                 text, reason = req.detok.flush()[0], FinishReason.STOP
             elif grammar is not None and grammar.is_terminated:  # the output is complete (its EOS came)
-                text, reason = req.detok.flush()[0], FinishReason.STOP
+                # (closed to fit its budget: max_tokens or the context cut its content, not the model)
+                text, reason = req.detok.flush()[0], FinishReason.LENGTH if grammar.closing else FinishReason.STOP
             else:
                 text, reason = self._check_stop(req, token, seq.num_output_tokens - (len(tokens) - 1 - i))
             pieces.append(text)

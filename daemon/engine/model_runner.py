@@ -268,7 +268,11 @@ class ModelRunner:
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.request_id)
             for seq in (batch.seqs[r] for r in sample_rows)
         ]
-        own = self._constrain(logits, [batch.seqs[r] for r in sample_rows], grammars, compiler) if grammars else None
+        seqs = [batch.seqs[r] for r in sample_rows]
+        # the tokens each row may still emit, this one included: a constrained row closes within them
+        budgets = [min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+                   for seq in seqs] if grammars else None
+        own = self._constrain(logits, seqs, grammars, compiler, budgets=budgets) if grammars else None
         result = self.sampler(logits, rows, own)
         for row, token in zip(sample_rows, result.token_ids):
             sampled[row] = token
@@ -276,16 +280,18 @@ class ModelRunner:
 
     @staticmethod
     def _constrain(logits: torch.Tensor, seqs: list[Sequence], grammars: dict[str, Grammar] | None,
-                   compiler: GrammarCompiler | None, drafts: list[list[int]] | None = None) -> torch.Tensor:
+                   compiler: GrammarCompiler | None, drafts: list[list[int]] | None = None,
+                   budgets: list[int] | None = None) -> torch.Tensor:
         """Mask ``logits`` in place by the grammars of ``seqs`` that have one (structured output; one
-        row each, or with ``drafts`` a verified span each: GrammarCompiler.mask). Returns the model's
+        row each, or with ``drafts`` a verified span each; ``budgets``: the tokens each row may still
+        emit: GrammarCompiler.mask). Returns the model's
         own logits for log-probabilities: a copy from before the mask when a masked step's row asks
         for them, else ``logits``."""
         found = [grammars.get(seq.request_id) for seq in seqs] if grammars and compiler is not None else []
         if not any(g is not None for g in found):
             return logits
         own = logits.clone() if any(seq.params.logprobs is not None for seq in seqs) else logits
-        compiler.mask(logits, found, drafts)
+        compiler.mask(logits, found, drafts, budgets)
         return own
 
     def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch, grammars: dict[str, Grammar] | None,
