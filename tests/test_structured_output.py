@@ -66,8 +66,8 @@ def test_outputs_hold_their_format_greedy_and_sampled(model_dir) -> None:
         assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text), text
     for text in got[4:6]:
         assert text in ("yes", "no", "a (b)?"), text
-    for text in got[6:8]:  # any JSON object, if the budget lets it close
-        assert text.startswith("{")
+    for text in got[6:8]:  # any JSON object (closed within the budget if the model would not end it)
+        assert isinstance(json.loads(text), dict)
     assert engine.kv.pool.num_free_blocks == engine.num_blocks and not engine._grammars
     # the same requests unconstrained: the noise the constraints held back
     free = texts(make_engine(model_dir), [SamplingParams(temperature=0.0, max_tokens=30)] * 2)
