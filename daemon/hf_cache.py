@@ -1,9 +1,20 @@
-"""The local Hugging Face hub cache: where it is and which snapshot of a repo it holds. llmd reads
-it, never downloads into it (``--model org/name`` of a cached repo, and ``llmd models``)."""
+"""The local Hugging Face hub cache: where it is, which snapshot of a repo it holds, the GGUF files
+in it by quantisation tag (``org/name:Q4_K_M``), and removing a model from it. Only ``llmd pull``
+(daemon/model_pull.py) downloads into it; everything else reads it offline (``--model org/name``,
+``llmd models``, ``llmd rm``)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+from llmd.errors import ModelNotFoundError
+
+# llama.cpp's quantisation names as GGUF files end with them: model-Q4_K_M.gguf, llama-2-7b.Q8_0.gguf,
+# qwen2.5-0.5b-instruct-q4_k_m.gguf, gemma-3-1b-it-UD-Q4_K_XL.gguf
+_TAG = re.compile(r"(?:^|[-.])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)$", re.IGNORECASE)
+# One model in several files (llama.cpp's gguf-split): not served
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
 
 def hf_cache_dir() -> Path:
@@ -47,3 +58,80 @@ def snapshot_of(repo: Path) -> Path | None:
     except OSError:
         return None
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def gguf_tag(filename: str) -> str:
+    """The tag a GGUF file is named by after ``org/name:``: its quantisation as its name ends with it
+    (upper case: ``Q4_K_M``), else the file's name without ``.gguf``."""
+    stem = filename[:-5] if filename.lower().endswith(".gguf") else filename
+    match = _TAG.search(stem)
+    return match.group(1).upper() if match else stem
+
+
+def gguf_files(filenames: list[str]) -> list[str]:
+    """The servable GGUF files among ``filenames`` (top level, not split in parts), sorted."""
+    return sorted(f for f in filenames if f.lower().endswith(".gguf") and "/" not in f and not _SPLIT.search(f))
+
+
+def pick_gguf(filenames: list[str], tag: str | None, repo_id: str) -> str:
+    """The one GGUF file of ``filenames`` that ``tag`` names (its tag or its file name, any case; with
+    no tag, the only one).
+
+    Raises:
+        ModelNotFoundError: none or several match; the message lists the choices as ``repo:TAG``.
+    """
+    files = gguf_files(filenames)
+    wanted = tag.lower() if tag else None
+    found = [f for f in files if wanted is None or wanted in (f.lower(), f[:-5].lower(), gguf_tag(f).lower())]
+    if len(found) == 1:
+        return found[0]
+    choices = ", ".join(f"{repo_id}:{gguf_tag(f)}" for f in files) or "none"
+    if any(_SPLIT.search(f) for f in filenames):
+        choices += " (split GGUF files, -00001-of-0000N, are not served)"
+    if not found and tag:
+        raise ModelNotFoundError(f"{repo_id} has no GGUF file tagged {tag!r}; its choices: {choices}")
+    if not found:
+        raise ModelNotFoundError(f"{repo_id} has no GGUF file llmd can serve; its files: {choices}")
+    raise ModelNotFoundError(f"{repo_id} has {len(found)} GGUF files; name one: {choices}")
+
+
+def remove(repo_id: str, filename: str | None = None) -> int:
+    """Delete ``repo_id`` from the cache (every snapshot, through huggingface_hub's cache manager),
+    or only ``filename`` of its snapshots (its blob too, unless another file still points to it).
+
+    Returns:
+        The bytes freed.
+
+    Raises:
+        ModelNotFoundError: the repo (or that file) is not in the cache.
+    """
+    from huggingface_hub import scan_cache_dir
+
+    repo_dir = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    if not repo_dir.is_dir():
+        raise ModelNotFoundError(f"{repo_id} is not in the local Hugging Face cache ({hf_cache_dir()})")
+    if filename is None:
+        cache = scan_cache_dir(hf_cache_dir())
+        repos = [r for r in cache.repos if r.repo_id == repo_id and r.repo_type == "model"]
+        revisions = [rev.commit_hash for r in repos for rev in r.revisions]
+        strategy = cache.delete_revisions(*revisions)
+        strategy.execute()
+        freed = strategy.expected_freed_size
+        if repo_dir.is_dir() and not any((repo_dir / "snapshots").glob("*/*")):
+            import shutil
+
+            shutil.rmtree(repo_dir, ignore_errors=True)  # what is left: refs, empty folders
+        return freed
+    links = [p for p in (repo_dir / "snapshots").glob(f"*/{filename}") if p.is_symlink() or p.is_file()]
+    if not links:
+        raise ModelNotFoundError(f"{repo_id} has no {filename} in the local Hugging Face cache")
+    blobs = {p.resolve() for p in links}
+    for p in links:
+        p.unlink()
+    still = {p.resolve() for p in (repo_dir / "snapshots").glob("*/*")}
+    freed = 0
+    for blob in blobs - still:
+        if blob.is_file() and blob.parent.name == "blobs":
+            freed += blob.stat().st_size
+            blob.unlink()
+    return freed

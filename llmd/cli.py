@@ -51,11 +51,13 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Offline-first: never let a library reach for the network (the machine may have none).
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not getattr(args, "online", False):
+        # Offline-first: no library reaches for the network (the machine may have none); `llmd pull`
+        # alone downloads. NOTE: set before any command imports huggingface_hub, which reads it once.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command is None:
         parser.print_help()
         return 2

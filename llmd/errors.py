@@ -43,3 +43,7 @@ class RequestError(LlmdError):
 
 class PromptTooLongError(RequestError):
     """Prompt plus max_tokens does not fit the model's context."""
+
+
+class PullError(LlmdError):
+    """``llmd pull`` could not fetch a model: the network, the hub's answer, or a file that fails its hash."""

@@ -5,6 +5,6 @@ The order here is the order of ``llmd --help``."""
 from __future__ import annotations
 
 from llmd import service
-from llmd.commands import bench, chat, config, generate, logs, models, start, status, stop
+from llmd.commands import bench, chat, config, generate, logs, models, pull, rm, start, status, stop
 
-COMMANDS = (generate, start, config, stop, chat, bench, service, models, logs, status)
+COMMANDS = (generate, start, config, stop, chat, bench, service, models, pull, rm, logs, status)
