@@ -96,8 +96,10 @@ def pick_gguf(filenames: list[str], tag: str | None, repo_id: str) -> str:
 
 
 def remove(repo_id: str, filename: str | None = None) -> int:
-    """Delete ``repo_id`` from the cache (every snapshot, through huggingface_hub's cache manager),
-    or only ``filename`` of its snapshots (its blob too, unless another file still points to it).
+    """Delete ``repo_id`` from the cache (its folder: every snapshot and blob), or only ``filename``
+    of its snapshots (its blob too, unless another file still points to it). NOTE: not through
+    huggingface_hub's cache manager, which deletes revisions by commit hash alone: a duplicated repo
+    shares its source's hashes, and would lose its snapshot too.
 
     Returns:
         The bytes freed.
@@ -105,22 +107,15 @@ def remove(repo_id: str, filename: str | None = None) -> int:
     Raises:
         ModelNotFoundError: the repo (or that file) is not in the cache.
     """
-    from huggingface_hub import scan_cache_dir
+    import shutil
 
     repo_dir = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
     if not repo_dir.is_dir():
         raise ModelNotFoundError(f"{repo_id} is not in the local Hugging Face cache ({hf_cache_dir()})")
     if filename is None:
-        cache = scan_cache_dir(hf_cache_dir())
-        repos = [r for r in cache.repos if r.repo_id == repo_id and r.repo_type == "model"]
-        revisions = [rev.commit_hash for r in repos for rev in r.revisions]
-        strategy = cache.delete_revisions(*revisions)
-        strategy.execute()
-        freed = strategy.expected_freed_size
-        if repo_dir.is_dir() and not any((repo_dir / "snapshots").glob("*/*")):
-            import shutil
-
-            shutil.rmtree(repo_dir, ignore_errors=True)  # what is left: refs, empty folders
+        freed = sum(p.stat().st_size for p in (repo_dir / "blobs").glob("*") if p.is_file())
+        shutil.rmtree(repo_dir)
+        shutil.rmtree(hf_cache_dir() / ".locks" / repo_dir.name, ignore_errors=True)
         return freed
     links = [p for p in (repo_dir / "snapshots").glob(f"*/{filename}") if p.is_symlink() or p.is_file()]
     if not links:

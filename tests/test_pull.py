@@ -17,6 +17,7 @@ from fake_hub import FakeHub
 from tiny_models import make_hf_model, save_hf_model, write_llama_gguf
 
 from llmd.daemon import hf_cache
+from llmd.daemon.model_catalog import human_size
 from llmd.errors import ModelNotFoundError
 
 pytestmark = pytest.mark.profile_independent
@@ -95,9 +96,15 @@ def test_a_pulled_safetensors_repo_is_served_with_no_network(hub: FakeHub, tiny_
     proc = llmd("pull", "org/tiny", cache=cache, endpoint=hub.url)
     assert proc.returncode == 0 and not [r for r in hub.requests[before:] if r[0] == "GET" and "/resolve/" in r[1]]
 
+    # a duplicate of the repo (a copy shares its git history: the same commit hash) is left alone
+    hub.add_repo("org/twin", tiny_files)
+    assert llmd("pull", "org/twin", cache=cache, endpoint=hub.url).returncode == 0
     proc = llmd("rm", "org/tiny", cache=cache, endpoint=hub.url, offline=True)
     assert proc.returncode == 0 and "removed org/tiny" in proc.stdout, proc.stderr
-    assert "org/tiny" not in listed(cache, hub.url) and not (cache / "models--org--tiny").exists()
+    size = sum(len(data) for data in tiny_files.values())
+    assert f"({human_size(size)} freed)" in proc.stdout
+    models = listed(cache, hub.url)
+    assert "org/tiny" not in models and "org/twin" in models and not (cache / "models--org--tiny").exists()
 
 
 def test_a_gguf_file_is_pulled_by_its_tag(hub: FakeHub, gguf_bytes, tmp_path: Path) -> None:
