@@ -5,7 +5,7 @@ engine when its tokens are ready; ``tokenize`` answered the same way."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -75,12 +75,16 @@ class Intake:
         wake: called from the worker thread when an encoding finishes (wakes the loop).
         new_public_id: names a client's new request in the stats stream.
         metrics: counts the requests refused once their prompt is encoded.
+        sampling_defaults: what a request gets for the sampling parameters it leaves out (the
+            model's own, from the config file; SamplingParams' defaults for the rest).
     """
 
     def __init__(self, engine: LLMEngine, live: dict[str, LiveRequest], max_queue_len: int,
                  reply: Callable[[bytes, Reply], None], wake: Callable[[Future[list[int]]], None],
-                 new_public_id: Callable[[bytes], str], metrics: RequestMetrics | None = None) -> None:
+                 new_public_id: Callable[[bytes], str], metrics: RequestMetrics | None = None,
+                 sampling_defaults: Mapping[str, Any] | None = None) -> None:
         self.engine, self.live, self.max_queue_len = engine, live, max_queue_len
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.metrics = metrics or RequestMetrics()
         self._reply, self._wake, self._new_public_id = reply, wake, new_public_id
         self.encoder = PromptEncoder(engine.tokenizer, engine.max_request_tokens)
@@ -120,7 +124,7 @@ class Intake:
                                                       f"unknown: {unknown!r}")
         try:
             check_priority(priority)
-            params = SamplingParams(**raw_params)
+            params = SamplingParams(**(self.sampling_defaults | raw_params))
             tools = ToolRequest.parse(c.get("tools"), c.get("tool_choice"))
         except (RequestError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None

@@ -35,16 +35,19 @@ class DaemonOptions:
     idle_unload: float = OPTIONS["idle_unload"].default  # minutes; 0 keeps the model loaded
     drain_timeout: float = 10.0  # seconds a stop waits for requests in flight
     log_file: str | None = None  # where the log goes (rotated), None: stderr
+    # what requests get for the sampling parameters they leave out (the model's config-file table)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_settings(cls, values: Mapping[str, Any], log_file: str | None = None) -> DaemonOptions:
-        """From the effective settings (llmd.config.resolve).
+    def from_settings(cls, values: Mapping[str, Any], log_file: str | None = None,
+                      sampling_defaults: Mapping[str, Any] | None = None) -> DaemonOptions:
+        """From the effective settings (llmd.config.resolve: its ``values`` and ``sampling``).
 
         Raises:
             ValueError: a bad value (the settings' own checks pass, so: a combination).
         """
-        own = {f.name for f in fields(cls)} - {"engine", "log_file"}
-        return cls(EngineArgs.from_settings(values), log_file=log_file,
+        own = {f.name for f in fields(cls)} - {"engine", "log_file", "sampling_defaults"}
+        return cls(EngineArgs.from_settings(values), log_file=log_file, sampling_defaults=dict(sampling_defaults or {}),
                    **{k: v for k, v in values.items() if k in own})
 
 
@@ -94,7 +97,8 @@ def serve(opts: DaemonOptions, companion: Companion | None = None) -> int:
     check_tcp(opts.tcp, opts.allow_remote)
     try:
         server_config = ServerConfig(max_queue_len=opts.max_queue_len, drain_timeout_s=opts.drain_timeout,
-                                     tcp=opts.tcp, idle_unload_s=60.0 * opts.idle_unload)
+                                     tcp=opts.tcp, idle_unload_s=60.0 * opts.idle_unload,
+                                     sampling_defaults=opts.sampling_defaults)
         resolved = opts.engine.resolve()  # the model found and the backend checked before the slow load
     except ValueError as e:
         raise LlmdError(str(e)) from None
@@ -122,6 +126,7 @@ def serve(opts: DaemonOptions, companion: Companion | None = None) -> int:
                 "draft_model": resolved.draft_source.name if resolved.draft_source is not None else None,
                 "chat_template": bool(getattr(runtime.tokenizer, "chat_template", None)),
                 "tools": call_style(runtime.tokenizer) is not None,  # its template renders tools
+                "sampling_defaults": opts.sampling_defaults,
                 "log_file": opts.log_file,
                 # NOTE: systemd sets INVOCATION_ID for the processes of a unit: stderr is the journal.
                 "journal": opts.log_file is None and "INVOCATION_ID" in os.environ,

@@ -18,7 +18,8 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -46,6 +47,8 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     tcp: str | None = None  # "host:port": also serve on TCP (requests on port, stats on port + 1), CURVE-encrypted
     idle_unload_s: float = 0.0  # free the model after this long without requests; 0: never
+    # what a request gets for the sampling parameters it leaves out (the model's own defaults)
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1:
@@ -80,7 +83,7 @@ class Server:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.intake = Intake(engine, self.live, config.max_queue_len, self.transport.queue, self._wake,
-                             self.reporter.new_public_id, self.reporter.requests)
+                             self.reporter.new_public_id, self.reporter.requests, config.sampling_defaults)
         self.stopping = False
         self.drain_deadline: float | None = None
         self.num_step_failures = 0

@@ -12,6 +12,18 @@ The file is flat TOML, one key per option (see ``llmd config show`` for the list
     kv_cache_mb = 2048
     idle_unload = 30                  # minutes
 
+A ``[models."NAME"]`` table holds one model's own settings, used when that model is the one served
+(``NAME`` as ``model`` names it; the default model's is ``SmolLM2-135M-Instruct``): the settings of
+:data:`MODEL_OPTIONS` over the file's own (flags and environment variables still win), and the
+sampling defaults of :data:`SAMPLING_DEFAULTS`, which requests get for what they leave out (as an
+Ollama Modelfile's parameters)::
+
+    [models."org/name-GGUF:Q4_K_M"]
+    max_model_len = 4096
+    kv_cache_dtype = "int8"
+    temperature = 0.3
+    top_p = 0.95
+
 ``$LLMD_CONFIG`` names another file; ``$XDG_CONFIG_HOME`` moves the default one.
 A systemd service sees neither the user's shell variables nor flags: the file is how it is set up.
 """
@@ -23,7 +35,7 @@ import ipaddress
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +218,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("kv_cache_dtype", "auto", _Choice("auto", "float32", "bfloat16", "float16", "int8"),
            "how the KV cache stores keys and values: auto is the model's dtype; int8 (a scale per token and head) "
            "holds ~2x the tokens of bf16 in the same memory"),
+    Option("max_model_len", None, lambda v: _whole(v, 1, 2**24),
+           "the context, prompt and output, in tokens (default and cap: the model's own)", "N", "(the model's)"),
     Option("block_size", 16, lambda v: _whole(v, 1, 1024), "tokens per KV block", "N"),
     # NOTE: per-row decode buffers and block tables are sized by max_num_seqs
     Option("max_num_seqs", 64, lambda v: _whole(v, 1, 4096), "requests running at once", "N"),
@@ -245,6 +259,27 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 )}
 
 
+# What a [models."NAME"] table may set: how that model is loaded and run...
+MODEL_OPTIONS = ("dtype", "quant", "group_size", "attention", "kv_cache_mb", "kv_cache_dtype", "max_model_len",
+                 "max_num_seqs", "speculative", "draft_model", "chat_template")
+# ...and the sampling parameters its requests get unless they say otherwise, checked as requests' are
+SAMPLING_DEFAULTS: dict[str, Callable[[Any], Any]] = {
+    "max_tokens": lambda v: _whole(v, 1, 2**24), "temperature": lambda v: _number(v, 0.0, 100.0),
+    "top_k": lambda v: _whole(v, 0, 2**24), "top_p": lambda v: _number(v, 0.0, 1.0, low_open=True),
+    "min_p": lambda v: _number(v, 0.0, 1.0), "repetition_penalty": lambda v: _number(v, 0.0, 100.0, low_open=True),
+    "presence_penalty": lambda v: _number(v, -2.0, 2.0), "frequency_penalty": lambda v: _number(v, -2.0, 2.0),
+}
+DEFAULT_MODEL_TABLE = "SmolLM2-135M-Instruct"  # the default model's table (llmd.daemon.model_source's alias)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTable:
+    """A ``[models."NAME"]`` table: its settings (MODEL_OPTIONS, checked) and sampling defaults."""
+
+    settings: dict[str, Any]
+    sampling: dict[str, Any]
+
+
 def config_path() -> Path:
     """``$LLMD_CONFIG``, else ``$XDG_CONFIG_HOME/llmd/config.toml`` (``~/.config/llmd/config.toml``)."""
     if os.environ.get(CONFIG_ENV):
@@ -273,16 +308,50 @@ def read_config_file(path: Path | None = None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     values: dict[str, Any] = {}
     for key, value in raw.items():
+        if key == "models":
+            values[key] = _model_tables(value, path)
+            continue
         option = OPTIONS.get(key)
         if option is None:
-            close = difflib.get_close_matches(key, OPTIONS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(OPTIONS)}"
+            close = difflib.get_close_matches(key, [*OPTIONS, "models"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else \
+                f"; known keys: {', '.join(OPTIONS)}, [models.\"NAME\"]"
             raise ConfigError(f"config file {path}: unknown key {key!r}{hint}")
         try:
             values[key] = option.parse(value)
         except ValueError as e:
             raise ConfigError(f"config file {path}: {key} must be {e}, got {value!r}") from None
     return values
+
+
+def _model_tables(raw: Any, path: Path) -> dict[str, ModelTable]:
+    """The file's ``[models."NAME"]`` tables, checked, by NAME folded to lower case.
+
+    Raises:
+        ConfigError: not tables, an unknown key, or a bad value (named with its table).
+    """
+    if not isinstance(raw, dict) or not all(isinstance(t, dict) for t in raw.values()):
+        raise ConfigError(f'config file {path}: models holds tables, one per model: [models."NAME"]')
+    tables: dict[str, ModelTable] = {}
+    for name, table in raw.items():
+        where = f'config file {path}: [models."{name}"]'
+        settings, sampling = {}, {}
+        for key, value in table.items():
+            if key in SAMPLING_DEFAULTS or key in MODEL_OPTIONS:
+                try:
+                    if key in SAMPLING_DEFAULTS:
+                        sampling[key] = SAMPLING_DEFAULTS[key](value)
+                    else:
+                        settings[key] = OPTIONS[key].parse(value)
+                except ValueError as e:
+                    raise ConfigError(f"{where}: {key} must be {e}, got {value!r}") from None
+            else:
+                known = (*MODEL_OPTIONS, *SAMPLING_DEFAULTS)
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f"; a model's table takes {', '.join(known)}"
+                raise ConfigError(f"{where}: unknown key {key!r}{hint}")
+        tables[name.casefold()] = ModelTable(settings, sampling)
+    return tables
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -312,10 +381,12 @@ def read_env() -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class Settings:
     """The effective settings: ``values[name]`` and where each came from (``sources[name]``: the
-    flag, ``config file PATH`` or ``default``)."""
+    flag, ``config file PATH``, its model's table or ``default``); ``sampling``: the served model's
+    sampling defaults (its table's)."""
 
     values: dict[str, Any]
     sources: dict[str, str]
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
@@ -354,7 +425,15 @@ def resolve(flags: Mapping[str, Any], path: Path | None = None) -> Settings:
             values[name], sources[name] = file_values[name], f"config file {path}"
         else:
             values[name], sources[name] = option.default, "default"
-    return Settings(values, sources)
+    # the served model's own table: over the file's settings, under the flags and the environment
+    model = values["model"] if values["model"] not in (None, "", "default") else DEFAULT_MODEL_TABLE
+    table = file_values.get("models", {}).get(str(model).casefold())
+    if table is None:
+        return Settings(values, sources)
+    for name, value in table.settings.items():
+        if flags.get(name) is None and name not in env_values:
+            values[name], sources[name] = value, f'config file {path} [models."{model}"]'
+    return Settings(values, sources, dict(table.sampling))
 
 
 def setting(name: str) -> Any:

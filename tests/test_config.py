@@ -159,3 +159,49 @@ def test_http_settings_and_a_hidden_key(capsys: pytest.CaptureFixture[str]) -> N
     assert "s3cret" not in out and "(set, hidden)" in out and "http://localhost:3000, https://my.app" in out
     assert main(["config", "show", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["values"]["api_key"] == "(set, hidden)"
+
+
+def test_a_models_table_applies_to_its_model_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[models."NAME"]: its settings over the file's own when NAME is the model served (any case), under
+    the environment and the flags; its sampling defaults in Settings.sampling; another model gets none."""
+    path = write_config('kv_cache_mb = 300\nquant = "int8"\n'
+                        '[models."org/Tiny-GGUF:Q8_0"]\nkv_cache_mb = 100\nmax_model_len = 512\n'
+                        'kv_cache_dtype = "int8"\ntemperature = 0.2\nmax_tokens = 64\n'
+                        '[models."SmolLM2-135M-Instruct"]\ntop_p = 0.5\n')
+    table = f'config file {path} [models."org/tiny-gguf:q8_0"]'
+    settings = resolve({"model": "org/tiny-gguf:q8_0", "max_model_len": 256})
+    assert (settings["kv_cache_mb"], settings.sources["kv_cache_mb"]) == (100, table)
+    assert (settings["kv_cache_dtype"], settings["quant"]) == ("int8", "int8")  # the file's own where it says nothing
+    assert (settings["max_model_len"], settings.sources["max_model_len"]) == (256, "--max-model-len")
+    assert settings.sampling == {"temperature": 0.2, "max_tokens": 64}
+    monkeypatch.setenv("LLMD_KV_CACHE_MB", "50")
+    assert resolve({"model": "org/tiny-gguf:q8_0"})["kv_cache_mb"] == 50
+    other = resolve({"model": "org/other"})
+    assert other["kv_cache_mb"] == 50 and other["max_model_len"] is None and other.sampling == {}
+    assert resolve({}).sampling == {"top_p": 0.5}  # the default model's table, by its name
+
+
+@pytest.mark.parametrize("text, words", [
+    ('[models."a"]\ntemperatur = 1\n', ["[models.\"a\"]", "unknown key 'temperatur'", "did you mean 'temperature'"]),
+    ('[models."a"]\ntop_p = 0\n', ["[models.\"a\"]", "top_p must be a number in (0, 1], got 0"]),
+    ('[models."a"]\nsocket_dir = "/tmp"\n', ["unknown key 'socket_dir'", "a model's table takes"]),
+    ('[models."a"]\nkv_cache_dtype = "int4"\n', ["kv_cache_dtype must be one of"]),
+    ('models = 3\n', ['models holds tables, one per model: [models."NAME"]']),
+])
+def test_a_bad_models_table_is_named(text: str, words: list[str]) -> None:
+    write_config(text)
+    with pytest.raises(ConfigError) as e:
+        resolve({})
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_config_show_prints_a_models_sampling_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    write_config('[models."m"]\ntemperature = 0.3\nmax_model_len = 128\n')
+    assert main(["config", "show", "--model", "m"]) == 0
+    out = capsys.readouterr().out
+    assert 'sampling defaults of the model (its [models."NAME"] table): temperature = 0.3' in out
+    assert 'config file' in out and '[models."m"]' in out
+    assert main(["config", "show", "--model", "m", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["sampling_defaults"] == {"temperature": 0.3} and shown["values"]["max_model_len"] == 128

@@ -370,6 +370,36 @@ def test_generate_command_uses_the_daemon(daemon, env) -> None:
     assert stats(socket_dir)["num_generated_tokens_total"] >= before + 1
 
 
+def test_the_models_config_table_sets_its_context_and_sampling_defaults(model_dir, tmp) -> None:
+    """The daemon serves its model with the model's [models."NAME"] table: the context it says and its
+    sampling defaults for what a request leaves out (a request's own values win); `llmd generate`
+    through it takes them too."""
+    env = daemon_env(tmp / "tabled")
+    (tmp / "tabled" / "config" / "llmd").mkdir(parents=True)
+    (tmp / "tabled" / "config" / "llmd" / "config.toml").write_text(
+        f'[models."{model_dir}"]\nmax_model_len = 96\nmax_tokens = 5\ntemperature = 0.0\n'
+        'repetition_penalty = 1.3\n')
+    socket_dir = tmp / "tabled" / "run"
+    conn = start_daemon(model_dir, socket_dir, env=env)
+    try:
+        assert conn["sampling_defaults"] == {"max_tokens": 5, "temperature": 0.0, "repetition_penalty": 1.3}
+        with Client(socket_dir) as c:
+            assert c.info()["max_model_len"] == 96
+            plain = [c.generate(token_ids=prompt(3), stream=False) for _ in range(2)]
+            own = c.generate(token_ids=prompt(3), stream=False, max_tokens=5, temperature=0, repetition_penalty=1.3)
+            assert plain[0].token_ids == plain[1].token_ids == own.token_ids and len(own.token_ids) == 5
+            assert len(c.generate(token_ids=prompt(3), stream=False, max_tokens=3).token_ids) == 3
+            one = c.generate(token_ids=prompt(3), stream=False, repetition_penalty=1.0, ignore_eos=True)
+            assert len(one.token_ids) == 5  # its own value for one field, the defaults for the rest
+            with pytest.raises(ServerError, match="too_long|96"):
+                c.generate(token_ids=list(range(3, 100)), stream=False)
+        out = subprocess.run([sys.executable, "-m", "llmd", "generate", "hello", "--raw", "--socket-dir",
+                              str(socket_dir)], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0 and "no llmd daemon is running" not in out.stderr, out.stderr
+    finally:
+        stop_daemon(socket_dir, env)
+
+
 def test_commands_without_a_daemon(tmp, env) -> None:
     empty = tmp / "nobody"
     for cmd, code, text in ((["status"], 3, "not running"), (["stop"], 1, "no llmd daemon is running")):

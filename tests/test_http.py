@@ -454,3 +454,25 @@ def test_bench_drives_the_http_api(url, env) -> None:
 def test_model_ids_are_url_and_tag_safe() -> None:
     assert model_id("SmolLM2-135M-Instruct (Q4_1)") == "SmolLM2-135M-Instruct-Q4_1"
     assert model_id("my model/v2.gguf") == "my-model-v2.gguf" and model_id("()") == "model"
+
+
+def test_ollama_options_sit_over_the_models_defaults_over_ollamas() -> None:
+    """A model's own sampling defaults (its config-file table, in ``info``) take the place of Ollama's
+    where a request gives no option; what it gives wins; num_predict left out is the model's max_tokens."""
+    import asyncio
+
+    from llmd.http.ollama_api import OLLAMA_DEFAULTS, Options, _params
+
+    class Backend:
+        def __init__(self, defaults: dict) -> None:
+            self.defaults = defaults
+
+        async def info(self) -> dict:
+            return {"max_model_len": 100, "sampling_defaults": self.defaults}
+
+    plain, _ = asyncio.run(_params(Backend({}), Options()))
+    assert plain == OLLAMA_DEFAULTS | {"max_tokens": 100}
+    own, _ = asyncio.run(_params(Backend({"temperature": 0.1, "max_tokens": 7}), Options(top_k=3)))
+    assert own == {"temperature": 0.1, "top_k": 3, "top_p": OLLAMA_DEFAULTS["top_p"], "max_tokens": 7}
+    given, _ = asyncio.run(_params(Backend({"max_tokens": 7}), Options(num_predict=20, temperature=0.5)))
+    assert given["max_tokens"] == 20 and given["temperature"] == 0.5

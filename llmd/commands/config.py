@@ -30,11 +30,15 @@ def run_show(args: argparse.Namespace) -> int:
     settings = settings_of(args)
     if args.json:
         values = {k: "(set, hidden)" if OPTIONS[k].secret and v is not None else v for k, v in settings.values.items()}
-        print(json.dumps({"config_file": str(config_path()), "values": values, "sources": settings.sources}))
+        print(json.dumps({"config_file": str(config_path()), "values": values, "sources": settings.sources,
+                          "sampling_defaults": settings.sampling}))
         return 0
     path = config_path()
     print(f"config file: {path}{'' if path.exists() else ' (none; every value below is a flag or a default)'}")
     print(settings.table())
+    if settings.sampling:
+        shown = ", ".join(f"{k} = {v}" for k, v in settings.sampling.items())
+        print(f"sampling defaults of the model (its [models.\"NAME\"] table): {shown}")
     return 0
 
 

@@ -18,6 +18,8 @@ from llmd.protocol import MAX_MESSAGE_BYTES, MAX_PROMPT_CHARS
 # A prompt's UTF-8 bytes leave 64 KiB of a message (MAX_MESSAGE_BYTES) for the rest of it: ids,
 # sampling parameters, msgpack framing.
 MAX_PROMPT_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
+# What a flag left out samples with, unless the model's [models."NAME"] table in the config file says otherwise
+DEFAULTS = {"max_tokens": 256, "temperature": 0.7, "top_k": 40, "top_p": 0.9}
 NOT_UTF8_FIX = "llmd takes UTF-8 text: convert it first, e.g. `iconv -f LATIN1 -t UTF-8`"
 
 
@@ -26,14 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                          description="Stream a completion for PROMPT to stdout.")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin")
     add_settings_flags(gen, ["model", "dtype", "quant", "group_size"])
-    gen.add_argument("--max-tokens", "-n", type=positive_int, default=256,
-                     help="stop after this many new tokens (default: 256)")
-    gen.add_argument("--temperature", "-t", type=non_negative_float, default=0.7,
-                     help="sampling temperature; 0 is greedy (default: 0.7)")
-    gen.add_argument("--top-k", type=non_negative_int, default=40,
-                     help="sample from the K likeliest tokens; 0 for all (default: 40)")
-    gen.add_argument("--top-p", type=probability, default=0.9,
-                     help="sample from the smallest set of tokens whose probability reaches P (default: 0.9)")
+    # (defaults None: the model's own from the config file, else DEFAULTS)
+    gen.add_argument("--max-tokens", "-n", type=positive_int, default=None,
+                     help="stop after this many new tokens (default: 256, or the model's in the config file)")
+    gen.add_argument("--temperature", "-t", type=non_negative_float, default=None,
+                     help="sampling temperature; 0 is greedy (default: 0.7, or the model's)")
+    gen.add_argument("--top-k", type=non_negative_int, default=None,
+                     help="sample from the K likeliest tokens; 0 for all (default: 40, or the model's)")
+    gen.add_argument("--top-p", type=probability, default=None,
+                     help="sample from the smallest set of tokens whose probability reaches P (default: 0.9, "
+                          "or the model's)")
     gen.add_argument("--seed", type=non_negative_int, default=None,
                      help="random seed for reproducible sampling, 0 to 2**63-1")
     mode = gen.add_mutually_exclusive_group()
@@ -112,11 +116,12 @@ def _read_prompt(arg: str) -> str:
     return prompt
 
 
-def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.seed is not None:
-        kwargs["seed"] = args.seed
-    return kwargs
+def _sampling_kwargs(args: argparse.Namespace, model_defaults: dict[str, Any]) -> dict[str, Any]:
+    """The flags given, over the model's sampling defaults (its config-file table: ``Settings.sampling``
+    in this process, the daemon's ``info`` through it), over :data:`DEFAULTS`."""
+    given = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")
+             if getattr(args, k) is not None}
+    return DEFAULTS | model_defaults | given
 
 
 def _generate_in_process(args: argparse.Namespace, settings: Settings, prompt: str) -> int:
@@ -126,7 +131,7 @@ def _generate_in_process(args: argparse.Namespace, settings: Settings, prompt: s
     from llmd.daemon.llm import LLM
     from llmd.daemon.tokenizer import encode_prompt
 
-    params = SamplingParams(**_sampling_kwargs(args))
+    params = SamplingParams(**_sampling_kwargs(args, settings.sampling))
     try:
         # One request: a KV pool for one sequence's context is all it can use (also on a GPU).
         llm = LLM(**runtime_settings(settings, max_num_seqs=1))
@@ -147,11 +152,12 @@ def _generate_with_daemon(args: argparse.Namespace, prompt: str, connection: dic
     from llmd.client import Client
 
     chat = connection.get("chat_template", False) if args.chat is None else args.chat
+    kwargs = _sampling_kwargs(args, connection.get("sampling_defaults") or {})
     with Client(connection=connection) as client:
         if chat:
-            stream = client.chat([{"role": "user", "content": prompt}], **_sampling_kwargs(args))
+            stream = client.chat([{"role": "user", "content": prompt}], **kwargs)
         else:
-            stream = client.generate(prompt, **_sampling_kwargs(args))
+            stream = client.generate(prompt, **kwargs)
         for delta in stream:
             sys.stdout.write(delta.text)
             sys.stdout.flush()

@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
             log_to_file(Path(args.log_file))
         try:
-            options = DaemonOptions.from_settings(settings.values, log_file=args.log_file)
+            options = DaemonOptions.from_settings(settings.values, log_file=args.log_file,
+                                                  sampling_defaults=settings.sampling)
         except ValueError as e:
             raise LlmdError(str(e)) from None
         return serve(options, _http_front(settings))

@@ -180,7 +180,9 @@ async def _params(backend: Backend, options: Options, response_format: dict[str,
         raise HTTPError(400, f"num_ctx {options.num_ctx} is more than this model holds ({max_model_len} tokens); "
                              f"use num_ctx <= {max_model_len}", "invalid_value", param="num_ctx")
     limit = options.num_ctx or max_model_len
-    params: dict[str, Any] = dict(OLLAMA_DEFAULTS)
+    # the model's own defaults (its [models."NAME"] table in the config file) over Ollama's
+    model_defaults = info.get("sampling_defaults") or {}
+    params: dict[str, Any] = OLLAMA_DEFAULTS | model_defaults
     for ours, theirs in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
                          ("repetition_penalty", "repeat_penalty"), ("presence_penalty", "presence_penalty"),
                          ("frequency_penalty", "frequency_penalty"), ("stop", "stop")):
@@ -191,6 +193,8 @@ async def _params(backend: Backend, options: Options, response_format: dict[str,
     n = options.num_predict
     if n == 0:
         raise HTTPError(400, "num_predict 0 asks for no tokens", "invalid_value", param="num_predict")
+    if n is None and "max_tokens" in model_defaults:
+        n = min(int(model_defaults["max_tokens"]), limit)
     params["max_tokens"] = limit if n is None or n < 0 else n  # -1: no limit, -2: fill the context
     if response_format is not None:
         params["response_format"] = response_format
