@@ -90,18 +90,18 @@ class ModelLifecycle:
         return None
 
     def _unload(self) -> None:
-        rss_before = _rss_bytes()
+        rss_before = rss_bytes()
         self.engine.unload()
         gc.collect()
         _release_memory()
         self.num_unloads += 1
-        freed = rss_before - _rss_bytes()
+        freed = rss_before - rss_bytes()
         log.info("idle for %.0fs: unloaded the model and KV cache (%s); the next request loads it again",
                  time.monotonic() - self.last_active,
                  f"{freed / 2**20:.0f} MiB returned" if freed > 0 else "memory kept by the allocator")
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     """This process's resident memory (Linux; 0 elsewhere)."""
     try:
         with open("/proc/self/statm") as f:

@@ -123,6 +123,8 @@ def serve(opts: DaemonOptions, companion: Companion | None = None) -> int:
                 "kv_cache_blocks": engine.num_blocks,
                 "kv_cache_dtype": str(engine.cache_dtype).removeprefix("torch."),
                 "kv_cache_tokens": engine.num_blocks * opts.engine.block_size,
+                # reserved, not resident: its pages are taken as blocks fill (model_runner.new_kv_cache)
+                "kv_cache_bytes": sum(t.nbytes for pair in engine.runner.kv_caches for t in pair),
                 "draft_model": resolved.draft_source.name if resolved.draft_source is not None else None,
                 "chat_template": bool(getattr(runtime.tokenizer, "chat_template", None)),
                 "tools": call_style(runtime.tokenizer) is not None,  # its template renders tools

@@ -27,7 +27,7 @@ import zmq
 from llmd.daemon.engine.engine import LLMEngine
 from llmd.daemon.engine.outputs import RequestDelta
 from llmd.daemon.intake import Intake, LiveRequest, request_key
-from llmd.daemon.model_lifecycle import ModelLifecycle
+from llmd.daemon.model_lifecycle import ModelLifecycle, rss_bytes
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.daemon.server_stats import ServerStats
 from llmd.daemon.transport import Reply, Transport
@@ -336,7 +336,7 @@ class Server:
         return self.reporter.stats(self.live, num_dropped_messages=self.transport.num_dropped,
                                    num_step_failures=self.num_step_failures, stopping=self.stopping,
                                    model_state=self.model.state, num_unloads=self.model.num_unloads,
-                                   idle_s=time.monotonic() - self.model.last_active)
+                                   idle_s=time.monotonic() - self.model.last_active, rss_bytes=rss_bytes())
 
     def _publish_stats(self) -> None:
         now = time.monotonic()

@@ -89,6 +89,11 @@ def test_status_command(daemon, env) -> None:
     status = json.loads(out.stdout)
     assert status["running"] and status["pid"] == conn["pid"] and status["stats"]["num_blocks"] > 0
     assert status["device"] == "cpu" and status["attention"] == "cpu"
+    assert status["stats"]["rss_bytes"] > 0 and status["kv_cache_bytes"] > 0
+    out = subprocess.run([sys.executable, "-m", "llmd", "status", "--socket-dir", str(socket_dir)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    pool = status["kv_cache_bytes"] / 2**20
+    assert f"MiB resident; the KV pool reserves {pool:.0f} MiB, resident as its blocks fill" in out.stdout
 
 
 def test_stream_matches_in_process(daemon, reference) -> None:

@@ -101,3 +101,49 @@ def test_an_unpaced_engine_takes_its_whole_budget_however_slow_the_last_step(
             engine.scheduler.update(batch, [None] * len(batch.seqs))
         assert chunks[0] == 64 and chunks[1:] == [want, want], (paced, chunks)
     assert LLM(str(tiny_dir), dtype="float32", quant="none").engine.scheduler.config.lone_step_seconds is None
+
+
+POISONS = [
+    pytest.param(dict(), id="reference"),
+    pytest.param(dict(attention="cpu"), id="native-attention"),
+    pytest.param(dict(attention="cpu", native=True, kv_cache_dtype="bfloat16"), id="native-step-bf16"),
+    pytest.param(dict(attention="cpu", native=True, kv_cache_dtype="int8"), id="native-step-int8"),
+    pytest.param(dict(kv_cache_dtype="int8", speculative="ngram"), id="reference-int8-ngram"),
+]
+
+
+@pytest.mark.parametrize("case", POISONS)
+def test_a_pool_full_of_nan_changes_nothing(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, case: dict) -> None:
+    """KV pools are not initialised (model_runner.new_kv_cache: their pages are mapped as blocks are
+    first written), so no kernel may read a slot before it is written: with every byte of the pool
+    NaN at the start, chunked prompts, prefix hits, preemption and decode steps give the same tokens
+    as a zeroed pool (a kernel that read one would spread NaN into its scores or outputs)."""
+    from llmd.daemon.attention import CpuAttentionBackend
+    from llmd.daemon.engine import model_runner
+    from llmd.daemon.quantization import QuantConfig
+
+    case = dict(case)
+    attention = CpuAttentionBackend() if case.pop("attention", None) == "cpu" else None
+    quant, dtype = (QuantConfig("int4"), torch.bfloat16) if case.pop("native", False) else (None, torch.float32)
+    config = dict(num_blocks=40, block_size=4, max_batched_tokens=13, **case)  # small: preemption and reuse
+    requests = make_requests(10)
+    real = model_runner.new_kv_cache
+
+    def filled(value: float):
+        def new_kv_cache(*args, **kwargs):
+            caches = real(*args, **kwargs)
+            for k, v in caches:  # every byte: 0xFF is a NaN in fp32 and bf16, -1 in int8 (a NaN scale)
+                k.view(torch.uint8).fill_(value)
+                v.view(torch.uint8).fill_(value)
+            return caches
+        return new_kv_cache
+
+    outputs = []
+    for byte in (0x00, 0xFF):
+        monkeypatch.setattr(model_runner, "new_kv_cache", filled(byte))
+        engine = make_engine(tiny_dir, attention=attention, quant=quant, dtype=dtype, **config)
+        first = engine.runner.kv_caches[0][0]
+        assert byte == 0 or (first.dtype == torch.int8 or torch.isnan(first.float()).all())
+        outputs.append(run_engine(engine, requests))
+        assert engine.scheduler.num_preemptions > 0 and engine.stats().prefix_cache_hit_rate > 0
+    assert outputs[1] == outputs[0]

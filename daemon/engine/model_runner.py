@@ -54,14 +54,20 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
 
 def new_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A zeroed paged KV cache for ``model``: per layer ``(K, V)``, each ``[num_blocks, block_size,
-    kv_heads, row]`` of ``dtype`` (default the model's; a row as llmd.kernels.kv_format lays it out),
-    on its device."""
+    """A paged KV cache for ``model``, not initialised: per layer ``(K, V)``, each ``[num_blocks,
+    block_size, kv_heads, row]`` of ``dtype`` (default the model's; a row as llmd.kernels.kv_format
+    lays it out), on its device.
+
+    NOTE: ``torch.empty``, not ``zeros``: on the CPU the OS maps a large allocation's pages as they
+    are first written, so the pool's resident memory grows with the blocks used (zeros wrote every
+    page at start: a 1 GiB pool was 1 GiB resident before the first request). Nothing reads a slot
+    before it is written (a recycled block holds stale rows alike); tests fill pools with NaN to hold
+    every kernel to that (tests/test_engine_equivalence.py)."""
     cfg = model.config
     dtype = dtype or model.dtype
     shape = (num_blocks, block_size, cfg.num_kv_heads, kv_format.row_width(cfg.head_dim, dtype))
     device = model.model.embed_tokens.weight.device
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)]
 
 

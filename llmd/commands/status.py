@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         f"weights     {info.get('weight_bytes', 0) / 2**20:.0f} MiB held: {_weight_memory_line(info)}",
         f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "
         f"({info['block_size']} tokens each{_kv_format(info)})",
+        f"memory      {_memory_line(info, stats)}",
         f"requests    {stats['num_running']} running, {stats['num_waiting']} waiting, "
         f"{stats['num_preemptions']} preemptions",
         f"throughput  {stats['prefill_tokens_per_s']:.1f} prompt tok/s, {stats['decode_tokens_per_s']:.1f} "
@@ -77,6 +78,15 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"HTTP API    {info['http']}/v1 (OpenAI), {info['http']}/api (Ollama), {info['http']}/metrics")
     print("\n".join(lines))
     return STATUS_RUNNING
+
+
+def _memory_line(info: dict, stats: dict) -> str:
+    """Resident against reserved: the KV pool's pages are taken as its blocks fill."""
+    rss, pool = stats.get("rss_bytes") or 0, info.get("kv_cache_bytes")
+    text = f"{rss / 2**20:.0f} MiB resident" if rss else "resident size unknown"
+    if pool:
+        text += f"; the KV pool reserves {pool / 2**20:.0f} MiB, resident as its blocks fill"
+    return text
 
 
 def _kv_format(info: dict) -> str:
