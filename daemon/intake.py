@@ -1,23 +1,24 @@
 """Requests into the daemon: a ``generate`` checked field by field, its prompt encoded on a worker
-thread (daemon/prompt_encoder.py: nothing a client sends can stall the loop), and handed to the
-engine when its tokens are ready; ``tokenize`` answered the same way."""
+thread (daemon/prompt_encoder.py: nothing a client sends can stall the loop), and handed to its
+model's engine when its tokens are ready; ``tokenize`` answered the same way. A request for a model
+the daemon has not built yet waits for it (daemon/model_set.py), then starts the same way."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from llmd.daemon.engine.engine import LLMEngine
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.sequence import check_priority
-from llmd.daemon.prompt_encoder import PromptEncoder
+from llmd.daemon.model_set import MAX_MODEL_NAME_CHARS, ModelSet
 from llmd.daemon.request_metrics import RequestMetrics
+from llmd.daemon.served_model import ServedModel
 from llmd.daemon.tool_calls import ToolCallParser, ToolRequest
 from llmd.daemon.transport import Reply
-from llmd.errors import PromptTooLongError, RequestError
+from llmd.errors import LlmdError, PromptTooLongError, RequestError
 from llmd.protocol import ErrorCode, Message, ProtocolError, parse_context_limit, require_str
 
 log = logging.getLogger("llmd.server")
@@ -37,12 +38,15 @@ class LiveRequest:
     num_prompt_tokens: int
     public_id: str  # how the stats stream names it (request ids are private to their client)
     params: SamplingParams
+    model: ServedModel | None  # None while the model it names is being built
+    model_name: str
     priority: int = 0
     context_limit: int | None = None  # prompt + output at most this many tokens: max_tokens lowered to fit
     encoding: Future[list[int]] | None = None  # set until the prompt's tokens are ready
     grammar: Future[Any] | None = None  # its response format's matcher, compiling on a worker
     tools: ToolRequest | None = None
     tool_parser: ToolCallParser | None = None  # set when it is queued: its output into text and tool calls
+    content: dict[str, Any] | None = None  # the request as sent, kept while it waits for its model
     text: list[str] = field(default_factory=list)  # collected for stream=False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
@@ -68,32 +72,25 @@ def request_key(identity: bytes, request_id: str) -> str:
 
 class Intake:
     """Args:
-        engine: where ready requests go.
+        models: the daemon's models; a request goes to the one it names (the default if none).
         live: the daemon's requests in flight, by :func:`request_key` (shared with the server).
-        max_queue_len: waiting requests (queued or encoding) beyond which new ones are refused.
+        max_queue_len: waiting requests (queued, encoding or waiting for their model) beyond which
+            new ones are refused.
         reply: queues a reply to a client.
         wake: called from the worker thread when an encoding finishes (wakes the loop).
         new_public_id: names a client's new request in the stats stream.
         metrics: counts the requests refused once their prompt is encoded.
-        sampling_defaults: what a request gets for the sampling parameters it leaves out (the
-            model's own, from the config file; SamplingParams' defaults for the rest).
     """
 
-    def __init__(self, engine: LLMEngine, live: dict[str, LiveRequest], max_queue_len: int,
+    def __init__(self, models: ModelSet, live: dict[str, LiveRequest], max_queue_len: int,
                  reply: Callable[[bytes, Reply], None], wake: Callable[[Future[list[int]]], None],
-                 new_public_id: Callable[[bytes], str], metrics: RequestMetrics | None = None,
-                 sampling_defaults: Mapping[str, Any] | None = None) -> None:
-        self.engine, self.live, self.max_queue_len = engine, live, max_queue_len
-        self.sampling_defaults = dict(sampling_defaults or {})
+                 new_public_id: Callable[[bytes], str], metrics: RequestMetrics | None = None) -> None:
+        self.models, self.live, self.max_queue_len = models, live, max_queue_len
         self.metrics = metrics or RequestMetrics()
         self._reply, self._wake, self._new_public_id = reply, wake, new_public_id
-        self.encoder = PromptEncoder(engine.tokenizer, engine.max_request_tokens)
         # `tokenize` and `detokenize` requests: (future, client, parent, reply type, the reply's field)
         self._encoding_replies: list[tuple[Future[Any], bytes, str, str, str]] = []
         self._fresh: list[Future[list[int]]] = []  # encodings started in this loop turn
-
-    def close(self) -> None:
-        self.encoder.close()
 
     def generate(self, identity: bytes, msg: Message, stopping: bool = False) -> LiveRequest:
         """Check a ``generate`` and start encoding its prompt; :meth:`collect` queues it.
@@ -109,7 +106,8 @@ class Intake:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"request id {rid!r} is already in use")
         if stopping:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; no new requests")
-        queued = self.engine.num_waiting + sum(1 for live in self.live.values() if live.encoding)
+        queued = sum(m.engine.num_waiting for m in self.models.models.values()) + sum(
+            1 for live in self.live.values() if live.encoding or live.model is None)
         if queued >= self.max_queue_len:
             raise ProtocolError(ErrorCode.OVERLOADED, f"{queued} requests are queued; try again later")
         stream = c.get("stream", True)
@@ -122,9 +120,12 @@ class Intake:
             unknown = sorted(set(raw_params) - _PARAM_FIELDS) if isinstance(raw_params, dict) else raw_params
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"params must be a map of sampling parameters; "
                                                       f"unknown: {unknown!r}")
+        name = self.model_name(c)
+        model = self.models.get(name)
         try:
             check_priority(priority)
-            params = SamplingParams(**(self.sampling_defaults | raw_params))
+            # what the request leaves out: its model's defaults (applied again once a model being built is ready)
+            params = SamplingParams(**((model.sampling_defaults if model else {}) | raw_params))
             tools = ToolRequest.parse(c.get("tools"), c.get("tool_choice"))
         except (RequestError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
@@ -138,25 +139,83 @@ class Intake:
                                                           '(or tool_choice "none")')
             if tools.forced:
                 params.response_format = tools.response_format()
-        live = LiveRequest(identity, rid, msg.msg_id, stream, 0, self._new_public_id(identity), params, priority,
-                           context_limit, tools=tools)
-        live.encoding = self.encoder.submit(c, None if tools is None else tools.template_tools())
-        live.encoding.add_done_callback(self._wake)
-        self._fresh.append(live.encoding)
-        if params.response_format is not None:  # a large schema compiles for long: never on this thread
-            live.grammar = self.engine.grammar_compiler.submit(params.response_format)
-            live.grammar.add_done_callback(self._wake)
-            self._fresh.append(live.grammar)
+        if model is None:
+            try:
+                self.models.check(name)
+            except LlmdError as e:
+                raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, str(e)) from None
+            self.models.want(name)
+        live = LiveRequest(identity, rid, msg.msg_id, stream, 0, self._new_public_id(identity), params, model,
+                           self.models.key(name), priority, context_limit, tools=tools)
+        if model is None:
+            live.content = c  # encoded once the model is built (start_waiting)
+        else:
+            self._start(live, c)
         self.live[key] = live
         return live
 
+    def model_name(self, content: dict[str, Any]) -> str | None:
+        """The ``model`` a message names (None: the default).
+
+        Raises:
+            ProtocolError: not a string of at most MAX_MODEL_NAME_CHARS characters.
+        """
+        name = content.get("model")
+        if name is not None and (not isinstance(name, str) or len(name) > MAX_MODEL_NAME_CHARS):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"model must be a name of at most {MAX_MODEL_NAME_CHARS} "
+                                                      "characters (a name from `llmd models`), or absent")
+        return name or None
+
+    def start_waiting(self, model: ServedModel) -> None:
+        """The requests that waited for ``model`` to be built: their defaults applied, encoding."""
+        for live in self.live.values():
+            if live.model is None and live.model_name == model.name and live.content is not None:
+                content, live.content, live.model = live.content, None, model
+                raw = content.get("params") or {}
+                params = SamplingParams(**(model.sampling_defaults | raw))  # (checked once already)
+                params.response_format = live.params.response_format  # (a forced tool call's, too)
+                live.params = params
+                self._start(live, content)
+
+    def fail_waiting(self, name: str, code: str, message: str) -> None:
+        """The requests that waited for ``name``, which could not be built."""
+        for key, live in list(self.live.items()):
+            if live.model is None and live.model_name == name:
+                self._refuse(key, code, message)
+
+    def _start(self, live: LiveRequest, content: dict[str, Any]) -> None:
+        """Encode its prompt and compile its response format, on workers."""
+        model = live.model
+        live.encoding = model.encoder.submit(content, None if live.tools is None else live.tools.template_tools())
+        live.encoding.add_done_callback(self._wake)
+        self._fresh.append(live.encoding)
+        if live.params.response_format is not None:  # a large schema compiles for long: never on this thread
+            live.grammar = model.engine.grammar_compiler.submit(live.params.response_format)
+            live.grammar.add_done_callback(self._wake)
+            self._fresh.append(live.grammar)
+
     def tokenize(self, identity: bytes, msg: Message) -> None:
         """Start encoding a ``tokenize``'s prompt; :meth:`collect` answers it."""
-        self._encode_for_reply(self.encoder.submit(msg.content), identity, msg.msg_id, "tokens", "token_ids")
+        encoder = self._built(msg.content).encoder
+        self._encode_for_reply(encoder.submit(msg.content), identity, msg.msg_id, "tokens", "token_ids")
 
     def detokenize(self, identity: bytes, msg: Message) -> None:
         """Start decoding a ``detokenize``'s ids; :meth:`collect` answers it."""
-        self._encode_for_reply(self.encoder.submit_pieces(msg.content), identity, msg.msg_id, "pieces", "pieces")
+        encoder = self._built(msg.content).encoder
+        self._encode_for_reply(encoder.submit_pieces(msg.content), identity, msg.msg_id, "pieces", "pieces")
+
+    def _built(self, content: dict[str, Any]) -> ServedModel:
+        """The model a ``tokenize`` or ``detokenize`` names, which must be built already (its tokenizer).
+
+        Raises:
+            ProtocolError: ``model_not_found``.
+        """
+        name = self.model_name(content)
+        model = self.models.get(name)
+        if model is None:
+            raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not loaded here: a generate request "
+                                                          "naming it loads it")
+        return model
 
     def _encode_for_reply(self, future: Future[Any], identity: bytes, parent: str, reply_type: str,
                           field_name: str) -> None:
@@ -171,15 +230,15 @@ class Intake:
             if live.encoding is None or not live.encoding.done() or (live.grammar and not live.grammar.done()):
                 continue
             future, live.encoding = live.encoding, None
+            engine = live.model.engine
             try:
                 ids = future.result()
-                _fit_context(live, ids, self.engine.max_request_tokens)
+                _fit_context(live, ids, engine.max_request_tokens)
                 grammar = None if live.grammar is None else live.grammar.result()
                 live.grammar = None
                 if live.tools is not None:
-                    live.tool_parser = ToolCallParser(live.tools, self.encoder.tool_style)
-                self.engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority,
-                                        grammar=grammar)
+                    live.tool_parser = ToolCallParser(live.tools, live.model.encoder.tool_style)
+                engine.add_request(key, ids, live.params, owner=live.identity, priority=live.priority, grammar=grammar)
             except ProtocolError as e:
                 self._refuse(key, e.code, str(e))
                 continue

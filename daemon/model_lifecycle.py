@@ -45,10 +45,11 @@ class ModelLifecycle:
             return "loaded"
         return "loading" if self._loading is not None else "unloaded"
 
-    def tick(self, busy: bool) -> BaseException | None:
-        """Once a loop turn, ``busy`` if any request is in flight: unload after ``idle_unload_s``
-        without work; start a reload once work waits; take a finished reload. Returns why a reload
-        failed (the caller fails the waiting requests), else None."""
+    def tick(self, busy: bool, may_load: bool = True) -> BaseException | None:
+        """Once a loop turn, ``busy`` if any of its requests is in flight: unload after
+        ``idle_unload_s`` without work; start a reload once work waits (if ``may_load``: the daemon's
+        other models leave room); take a finished reload. Returns why a reload failed (the caller
+        fails the waiting requests), else None."""
         now = time.monotonic()
         if busy or self.engine.has_unfinished():
             self.last_active = now
@@ -59,8 +60,8 @@ class ModelLifecycle:
         if self.engine.is_loaded:
             if self.idle_unload_s and not busy and not self.engine.has_unfinished() \
                     and now - self.last_active >= self.idle_unload_s:
-                self._unload()
-        elif self.engine.has_unfinished() and self._loading is None:
+                self.unload()
+        elif self.engine.has_unfinished() and self._loading is None and may_load:
             log.info("a request arrived: loading the model again")
             self._loaded = []
             self._loading = threading.Thread(target=self._reload_worker, name="llmd-reload", daemon=True)
@@ -89,15 +90,21 @@ class ModelLifecycle:
         self.engine.load(*result)
         return None
 
-    def _unload(self) -> None:
+    @property
+    def is_loading(self) -> bool:
+        return self._loading is not None
+
+    def unload(self, why: str = "") -> None:
+        """Free the model and its KV cache (the engine keeps its tokenizer and queue: work that arrives
+        loads it again)."""
         rss_before = rss_bytes()
         self.engine.unload()
         gc.collect()
         _release_memory()
         self.num_unloads += 1
         freed = rss_before - rss_bytes()
-        log.info("idle for %.0fs: unloaded the model and KV cache (%s); the next request loads it again",
-                 time.monotonic() - self.last_active,
+        log.info("%s: unloaded the model and KV cache (%s); the next request loads it again",
+                 why or f"idle for {time.monotonic() - self.last_active:.0f}s",
                  f"{freed / 2**20:.0f} MiB returned" if freed > 0 else "memory kept by the allocator")
 
 

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -33,6 +33,7 @@ class DaemonOptions:
     allow_remote: bool = OPTIONS["allow_remote"].default
     max_queue_len: int = OPTIONS["max_queue_len"].default
     idle_unload: float = OPTIONS["idle_unload"].default  # minutes; 0 keeps the model loaded
+    max_loaded_models: int = OPTIONS["max_loaded_models"].default  # models holding their weights at once
     drain_timeout: float = 10.0  # seconds a stop waits for requests in flight
     log_file: str | None = None  # where the log goes (rotated), None: stderr
     # what requests get for the sampling parameters they leave out (the model's config-file table)
@@ -85,20 +86,24 @@ class Companion(Protocol):
     def stop(self) -> None: ...
 
 
-def serve(opts: DaemonOptions, companion: Companion | None = None) -> int:
+def serve(opts: DaemonOptions, companion: Companion | None = None,
+          settings_for: Callable[[str], tuple[EngineArgs, dict[str, Any]]] | None = None) -> int:
     """Run the daemon in this process; returns the exit code. ``companion`` is started with the
     connection file's fields once the daemon is up, and named in its info (``http``).
+    ``settings_for(name)``: how another model a request names is loaded (its EngineArgs and
+    sampling defaults, as ``llmd start --model NAME`` would take them); None serves only the one.
 
     Raises:
         LlmdError: already running, bad model, bad options.
     """
+    from llmd.daemon.model_set import ModelSet
+    from llmd.daemon.model_source import DEFAULT_MODEL_ALIAS, resolve_model
     from llmd.daemon.server import Server, ServerConfig
 
     check_tcp(opts.tcp, opts.allow_remote)
     try:
         server_config = ServerConfig(max_queue_len=opts.max_queue_len, drain_timeout_s=opts.drain_timeout,
-                                     tcp=opts.tcp, idle_unload_s=60.0 * opts.idle_unload,
-                                     sampling_defaults=opts.sampling_defaults)
+                                     tcp=opts.tcp, idle_unload_s=60.0 * opts.idle_unload)
         resolved = opts.engine.resolve()  # the model found and the backend checked before the slow load
     except ValueError as e:
         raise LlmdError(str(e)) from None
@@ -106,43 +111,72 @@ def serve(opts: DaemonOptions, companion: Companion | None = None) -> int:
     files.acquire()  # before loading: a second daemon is refused at once
     try:
         start = time.monotonic()
-        try:
-            runtime = resolved.load()
-        except ValueError as e:  # e.g. no GPU memory left for the KV cache, a block size the kernels lack
-            raise LlmdError(str(e)) from None
-        except torch.OutOfMemoryError:
-            raise LlmdError(f"{resolved.source.name} does not fit in GPU memory: choose --quant int4, a smaller "
-                            "model, or --device cpu") from None
-        engine, source, model = runtime.engine, resolved.source, runtime.engine.model
-        memory = weight_memory(model)
-        info = {"model": source.name, "model_path": str(source.path), "model_type": model.config.model_type,
-                "device": resolved.device, "dtype": str(resolved.dtype).removeprefix("torch."),
-                "attention": resolved.attention.name,
-                "quantization": describe_quant(model, opts.engine.quant_config()),
-                "weight_bytes": sum(memory.values()), "weight_memory": memory, "kernels": model.kernels(),
-                "kv_cache_blocks": engine.num_blocks,
-                "kv_cache_dtype": str(engine.cache_dtype).removeprefix("torch."),
-                "kv_cache_tokens": engine.num_blocks * opts.engine.block_size,
-                # reserved, not resident: its pages are taken as blocks fill (model_runner.new_kv_cache)
-                "kv_cache_bytes": sum(t.nbytes for pair in engine.runner.kv_caches for t in pair),
-                "draft_model": resolved.draft_source.name if resolved.draft_source is not None else None,
-                "chat_template": bool(getattr(runtime.tokenizer, "chat_template", None)),
-                "tools": call_style(runtime.tokenizer) is not None,  # its template renders tools
-                "sampling_defaults": opts.sampling_defaults,
-                "log_file": opts.log_file,
+        name = opts.engine.model or DEFAULT_MODEL_ALIAS
+        default = _load_served(name, opts.engine, opts.sampling_defaults, server_config.idle_unload_s, resolved)
+        info = {**default.info, "log_file": opts.log_file,
                 # NOTE: systemd sets INVOCATION_ID for the processes of a unit: stderr is the journal.
                 "journal": opts.log_file is None and "INVOCATION_ID" in os.environ,
                 "http": companion.url if companion is not None else None}
-        del model  # only the engine holds the model: an idle unload must be able to free it
-        server = Server(engine, files, info, server_config, load_model=runtime.reload)
+
+        def load_other(other: str) -> Any:
+            args, sampling = settings_for(other)
+            return _load_served(other, args, sampling, server_config.idle_unload_s)
+
+        def check(other: str) -> None:
+            resolve_model(other, opts.engine.models_dir)
+
+        models = ModelSet(default, load_other if settings_for is not None else None, check,
+                          opts.max_loaded_models, aliases=("default", default.info["model"])
+                          + ((DEFAULT_MODEL_ALIAS,) if opts.engine.model is None else ()))
+        server = Server(models, files, info, server_config)
         connection = files.write_connection_file({**info, **server.connection_fields})
         if companion is not None:
             companion.start(connection)
-        log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens; weights %s) after %.1fs", source.name,
-                 files.requests_endpoint, resolved.device, info["dtype"], engine.num_blocks, opts.engine.block_size,
-                 describe(memory), time.monotonic() - start)
+        engine = default.engine
+        log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens; weights %s) after %.1fs", info["model"],
+                 files.requests_endpoint, info["device"], info["dtype"], engine.num_blocks, opts.engine.block_size,
+                 describe(info["weight_memory"]), time.monotonic() - start)
         return server.run()
     finally:
         if companion is not None:
             companion.stop()
         files.release()
+
+
+def _load_served(name: str, args: EngineArgs, sampling_defaults: Mapping[str, Any], idle_unload_s: float,
+                 resolved: Any = None) -> Any:
+    """Load the model ``args`` name and build what serves it (daemon/served_model.py).
+
+    Raises:
+        LlmdError: the model cannot be loaded (the message says why).
+    """
+    from llmd.daemon.model_lifecycle import ModelLifecycle
+    from llmd.daemon.served_model import ServedModel
+
+    try:
+        resolved = resolved or args.resolve()
+        runtime = resolved.load()
+    except ValueError as e:  # e.g. no GPU memory left for the KV cache, a block size the kernels lack
+        raise LlmdError(str(e)) from None
+    except torch.OutOfMemoryError:
+        raise LlmdError(f"{resolved.source.name} does not fit in GPU memory: choose --quant int4, a smaller "
+                        "model, or --device cpu") from None
+    engine, source, model = runtime.engine, resolved.source, runtime.engine.model
+    memory = weight_memory(model)
+    info = {"model": source.name, "model_path": str(source.path), "model_type": model.config.model_type,
+            "device": resolved.device, "dtype": str(resolved.dtype).removeprefix("torch."),
+            "attention": resolved.attention.name,
+            "quantization": describe_quant(model, args.quant_config()),
+            "weight_bytes": sum(memory.values()), "weight_memory": memory, "kernels": model.kernels(),
+            "kv_cache_blocks": engine.num_blocks,
+            "kv_cache_dtype": str(engine.cache_dtype).removeprefix("torch."),
+            "kv_cache_tokens": engine.num_blocks * args.block_size,
+            # reserved, not resident: its pages are taken as blocks fill (model_runner.new_kv_cache)
+            "kv_cache_bytes": sum(t.nbytes for pair in engine.runner.kv_caches for t in pair),
+            "draft_model": resolved.draft_source.name if resolved.draft_source is not None else None,
+            "chat_template": bool(getattr(runtime.tokenizer, "chat_template", None)),
+            "tools": call_style(runtime.tokenizer) is not None,  # its template renders tools
+            "sampling_defaults": dict(sampling_defaults)}
+    del model  # only the engine holds the model: an unload must be able to free it
+    return ServedModel(name, engine, info, ModelLifecycle(engine, idle_unload_s, runtime.reload),
+                       dict(sampling_defaults))

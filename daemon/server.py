@@ -1,10 +1,11 @@
-"""The daemon's loop: one engine behind the sockets (daemon/transport.py).
+"""The daemon's loop: its models' engines behind the sockets (daemon/transport.py).
 
 One thread does everything, in a loop: take every waiting message and answer or hand it on
-(daemon/intake.py checks requests and encodes their prompts off the loop), run one engine step,
-route the step's deltas to their clients, send what is queued, publish stats now and then
-(daemon/server_stats.py). The model may be unloaded when idle and loaded again by a worker thread
-while the loop keeps answering (daemon/model_lifecycle.py).
+(daemon/intake.py checks requests and encodes their prompts off the loop), run one engine step (the
+models with work in turn, daemon/model_set.py), route the step's deltas to their clients, send what
+is queued, publish stats now and then (daemon/server_stats.py). A model may be unloaded when idle or
+to make room for another, and loaded again (or a new one built) by a worker thread while the loop
+keeps answering (daemon/model_lifecycle.py).
 
 A failing step costs the requests in flight an ``internal`` error, never the daemon, unless it
 fails MAX_CONSECUTIVE_STEP_FAILURES times in a row.
@@ -16,18 +17,17 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from llmd.daemon.engine.engine import LLMEngine
 from llmd.daemon.engine.outputs import RequestDelta
 from llmd.daemon.intake import Intake, LiveRequest, request_key
-from llmd.daemon.model_lifecycle import ModelLifecycle, rss_bytes
+from llmd.daemon.model_lifecycle import rss_bytes
+from llmd.daemon.model_set import ModelSet
+from llmd.daemon.served_model import ServedModel
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.daemon.server_stats import ServerStats
 from llmd.daemon.transport import Reply, Transport
@@ -47,8 +47,6 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     tcp: str | None = None  # "host:port": also serve on TCP (requests on port, stats on port + 1), CURVE-encrypted
     idle_unload_s: float = 0.0  # free the model after this long without requests; 0: never
-    # what a request gets for the sampling parameters it leaves out (the model's own defaults)
-    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1:
@@ -61,29 +59,27 @@ class ServerConfig:
 
 class Server:
     """Args:
-        engine: the loaded engine.
+        models: the models it serves (the default one built and loaded).
         files: the runtime dir (key, endpoints).
-        info: what ``info`` replies say about the model.
+        info: what ``info`` replies say about the daemon (the default model's fields among them).
         config: limits.
-        load_model: loads the model again the way it was loaded first; needed for
-            ``config.idle_unload_s``.
     """
 
-    def __init__(self, engine: LLMEngine, files: RuntimeFiles, info: dict[str, Any],
-                 config: ServerConfig | None = None, load_model: Callable[[], Any] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, models: ModelSet, files: RuntimeFiles, info: dict[str, Any],
+                 config: ServerConfig | None = None) -> None:
+        self.models = models
         self.config = config = config or ServerConfig()
-        self.model = ModelLifecycle(engine, config.idle_unload_s, load_model)
         self.transport = Transport(files, config.tcp)
-        self.reporter = ServerStats(engine, info, {"max_queue_len": config.max_queue_len,
-                                                   "idle_unload_s": config.idle_unload_s})
+        self.reporter = ServerStats(models, info, {"max_queue_len": config.max_queue_len,
+                                                   "idle_unload_s": config.idle_unload_s,
+                                                   "max_loaded_models": models.max_loaded})
         self.live: dict[str, LiveRequest] = {}  # engine request id -> request
         # Woken through this pipe when an encoding finishes, so the loop can sleep in poll() meanwhile.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.intake = Intake(engine, self.live, config.max_queue_len, self.transport.queue, self._wake,
-                             self.reporter.new_public_id, self.reporter.requests, config.sampling_defaults)
+        self.intake = Intake(models, self.live, config.max_queue_len, self.transport.queue, self._wake,
+                             self.reporter.new_public_id, self.reporter.requests)
         self.stopping = False
         self.drain_deadline: float | None = None
         self.num_step_failures = 0
@@ -117,7 +113,7 @@ class Server:
             while True:
                 # NOTE: replies stuck behind a full client pipe only need a retry now and then;
                 # counting them as busy would spin the loop at 100% CPU.
-                busy = self.engine.has_unfinished() and self.engine.is_loaded
+                busy = any(m.engine.has_unfinished() and m.engine.is_loaded for m in self.models.models.values())
                 timeout = 0 if busy else (10 if self.transport.outbox else 100)
                 if self.stopping and not self.live:
                     break
@@ -127,14 +123,12 @@ class Server:
                 if poller.poll(timeout):
                     self._drain_incoming()
                 self._collect_encoded()
-                if (failure := self.model.tick(busy=bool(self.live))) is not None:
-                    self._cancel_all(ErrorCode.INTERNAL,
-                                     f"reloading the model failed: {type(failure).__name__}: {failure}")
+                self._tick_models()
                 # NOTE: answers (health, stats, accepted, errors) leave now, not after a step that
                 # may take seconds on a CPU with a long context.
                 self._flush()
-                if self.engine.has_unfinished() and self.engine.is_loaded:
-                    if not self._step():
+                if (model := self.models.next_to_step()) is not None:
+                    if not self._step(model):
                         code = 1
                         break
                 self._flush()
@@ -142,19 +136,28 @@ class Server:
                 self._flush()
                 self._publish_stats()
         finally:
-            self.model.join()
+            self.models.close()
             self._flush()
-            self.intake.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
             self.transport.close(2000)  # give the last replies (done, cancelled) time to leave
         log.info("stopped")
         return code
 
-    @property
-    def model_state(self) -> str:
-        """``loaded``, ``unloaded`` (idle) or ``loading`` (a request is waiting for the reload)."""
-        return self.model.state
+    def _tick_models(self) -> None:
+        """Builds and reloads finished or failed, idle unloads (ModelSet.tick)."""
+        busy_models = {id(live.model) for live in self.live.values()}
+        ready, failures = self.models.tick(lambda m: id(m) in busy_models)
+        for model in ready:
+            self.intake.start_waiting(model)
+        for name, failure in failures:
+            model = self.models.get(name)
+            if model is None:  # a model a request named, never built
+                self.intake.fail_waiting(name, ErrorCode.INTERNAL, f"loading the model {name} failed: "
+                                                                   f"{type(failure).__name__}: {failure}")
+            else:
+                self._cancel_all(ErrorCode.INTERNAL, f"reloading the model failed ({name}): "
+                                                     f"{type(failure).__name__}: {failure}", model)
 
     # ---- incoming --------------------------------------------------------------------------------
 
@@ -183,11 +186,16 @@ class Server:
             key = request_key(identity, rid)
             if key not in self.live:
                 raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"no request {rid!r} of yours is running")
-            self._finish(key, self.engine.abort_request(key), reason="abort")
+            live = self.live[key]
+            self._finish(key, live.model.engine.abort_request(key) if live.model else None, reason="abort")
         elif msg.type == "stats":
             self._reply(identity, ("stats", self._stats(), msg.msg_id))
         elif msg.type == "info":
-            self._reply(identity, ("info", self.reporter.info(), msg.msg_id))
+            name = self.intake.model_name(c)
+            if name is not None and self.models.get(name) is None:
+                raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not loaded here: a generate "
+                                                              "request naming it loads it")
+            self._reply(identity, ("info", self.reporter.info(self.models.get(name)), msg.msg_id))
         elif msg.type == "tokenize":
             self.intake.tokenize(identity, msg)
         elif msg.type == "detokenize":
@@ -219,15 +227,15 @@ class Server:
 
     # ---- engine ----------------------------------------------------------------------------------
 
-    def _step(self) -> bool:
-        """One engine step; False if the daemon must exit (repeated failures)."""
+    def _step(self, model: ServedModel) -> bool:
+        """One step of ``model``'s engine; False if the daemon must exit (repeated failures)."""
         try:
-            deltas = self.engine.step()
+            deltas = model.engine.step()
         except Exception as e:
             self.num_step_failures += 1
             self._consecutive_failures += 1
             log.exception("model step failed")
-            self._cancel_all(ErrorCode.INTERNAL, f"model step failed: {type(e).__name__}: {e}")
+            self._cancel_all(ErrorCode.INTERNAL, f"model step failed: {type(e).__name__}: {e}", model)
             return self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
         self._consecutive_failures = 0
         for delta in deltas:
@@ -296,9 +304,13 @@ class Server:
                                           for lp in delta.prompt_logprobs]
         self._reply(live.identity, ("done", content, live.parent))
 
-    def _cancel_all(self, code: str, message: str) -> None:
+    def _cancel_all(self, code: str, message: str, model: ServedModel | None = None) -> None:
+        """End the requests in flight (of ``model`` only, if given) with an error."""
         for key, live in list(self.live.items()):
-            self.engine.abort_request(key)
+            if model is not None and live.model is not model:
+                continue
+            if live.model is not None:
+                live.model.engine.abort_request(key)
             self.live.pop(key)
             self.reporter.requests.failed()
             self._reply(live.identity, ("error", {"request_id": live.request_id, "code": code,
@@ -309,8 +321,9 @@ class Server:
         """The client is gone: abort what it asked for (the transport forgot what we owed it)."""
         keys = [k for k, live in self.live.items() if live.identity == identity]
         for key in keys:
-            self.engine.abort_request(key)
-            self.live.pop(key)
+            live = self.live.pop(key)
+            if live.model is not None:
+                live.model.engine.abort_request(key)
             self.reporter.requests.failed()
         if keys:
             log.info("client %s went away; aborted %d request(s)", identity.hex(), len(keys))
@@ -333,10 +346,11 @@ class Server:
     # ---- stats -----------------------------------------------------------------------------------
 
     def _stats(self) -> dict[str, Any]:
+        default = self.models.default.lifecycle
         return self.reporter.stats(self.live, num_dropped_messages=self.transport.num_dropped,
                                    num_step_failures=self.num_step_failures, stopping=self.stopping,
-                                   model_state=self.model.state, num_unloads=self.model.num_unloads,
-                                   idle_s=time.monotonic() - self.model.last_active, rss_bytes=rss_bytes())
+                                   model_state=default.state, num_unloads=default.num_unloads,
+                                   idle_s=time.monotonic() - default.last_active, rss_bytes=rss_bytes())
 
     def _publish_stats(self) -> None:
         now = time.monotonic()
@@ -344,4 +358,4 @@ class Server:
             return
         self._last_stats = now
         self.transport.publish({**self._stats(), **self.reporter.live_view(self.live),
-                                "num_blocks_used_peak": self.engine.take_peak_blocks_used()})
+                                "num_blocks_used_peak": self.models.default.engine.take_peak_blocks_used()})

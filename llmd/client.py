@@ -197,11 +197,13 @@ def _accept(key: bytes, frames: list[bytes], discard: set[str]) -> tuple[str, Me
 def _generate_content(request_id: str, prompt: str | None, messages: list[dict[str, Any]] | None,
                       token_ids: list[int] | None, stream: bool, params: dict[str, Any], priority: int = 0,
                       context_limit: int | None = None, tools: list[dict[str, Any]] | None = None,
-                      tool_choice: str | dict[str, Any] | None = None) -> dict[str, Any]:
+                      tool_choice: str | dict[str, Any] | None = None, model: str | None = None) -> dict[str, Any]:
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, messages, token_ids")
     content: dict[str, Any] = {"request_id": request_id, "stream": stream, "params": params}
+    if model is not None:
+        content["model"] = model
     if priority:
         content["priority"] = priority
     if context_limit is not None:
@@ -219,8 +221,14 @@ def _generate_content(request_id: str, prompt: str | None, messages: list[dict[s
     return content
 
 
-def _tokenize_content(prompt: str | None, messages: list[dict[str, str]] | None) -> dict[str, Any]:
-    return {"prompt": prompt} if messages is None else {"messages": messages}
+def _tokenize_content(prompt: str | None, messages: list[dict[str, str]] | None, model: str | None = None
+                      ) -> dict[str, Any]:
+    content: dict[str, Any] = {"prompt": prompt} if messages is None else {"messages": messages}
+    return content if model is None else {**content, "model": model}
+
+
+def _model_content(model: str | None) -> dict[str, Any] | None:
+    return None if model is None else {"model": model}
 
 
 def _stats_socket(ctx: zmq.Context, connection: dict[str, Any], endpoint: str) -> zmq.Socket:
@@ -400,18 +408,20 @@ class Client(_ClientCore):
     def health(self, timeout: float = 5.0) -> dict[str, Any]:
         return self._call("health", timeout=timeout)
 
-    def info(self) -> dict[str, Any]:
-        return self._call("info")
+    def info(self, model: str | None = None) -> dict[str, Any]:
+        """The daemon and its default model; with ``model``, that (loaded) model's fields instead."""
+        return self._call("info", _model_content(model))
 
     def stats(self) -> dict[str, Any]:
         return self._call("stats")
 
-    def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None) -> list[int]:
-        return self._call("tokenize", _tokenize_content(prompt, messages))["token_ids"]
+    def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                 model: str | None = None) -> list[int]:
+        return self._call("tokenize", _tokenize_content(prompt, messages, model))["token_ids"]
 
-    def detokenize(self, token_ids: list[int]) -> list[str]:
-        """Each token's text on its own (at most 4096 ids a call)."""
-        return self._call("detokenize", {"token_ids": list(token_ids)})["pieces"]
+    def detokenize(self, token_ids: list[int], model: str | None = None) -> list[str]:
+        """Each token's text on its own (at most 4096 ids a call), by ``model``'s tokenizer (the default's)."""
+        return self._call("detokenize", {"token_ids": list(token_ids), **(_model_content(model) or {})})["pieces"]
 
     def shutdown(self) -> dict[str, Any]:
         return self._call("shutdown")
@@ -419,12 +429,15 @@ class Client(_ClientCore):
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
                  priority: int = 0, context_limit: int | None = None, tools: list[dict[str, Any]] | None = None,
-                 tool_choice: str | dict[str, Any] | None = None, **params: Any) -> Stream | Result:
+                 tool_choice: str | dict[str, Any] | None = None, model: str | None = None,
+                 **params: Any) -> Stream | Result:
         """Start a request. ``params`` are sampling parameters (``max_tokens``, ``temperature``...);
         ``priority`` (-10..10, higher first) puts it ahead of this daemon's lower-priority work;
         ``context_limit`` caps prompt + output at that many tokens, lowering ``max_tokens`` to fit
         (so a large ``max_tokens`` means "until the context is full"); ``tools`` and ``tool_choice``
-        (with ``messages``) are OpenAI's: the calls come in the result's ``tool_calls``.
+        (with ``messages``) are OpenAI's: the calls come in the result's ``tool_calls``; ``model``
+        names the model to answer (a name from ``llmd models``; the daemon's default if None), which
+        the daemon loads if it must.
 
         Returns:
             With ``stream`` a :class:`Stream` of :class:`Delta` (its ``result`` set at the end),
@@ -435,7 +448,7 @@ class Client(_ClientCore):
         """
         rid = request_id or self._new_request_id()
         self._send("generate", _generate_content(rid, prompt, messages, token_ids, stream, params, priority,
-                                                 context_limit, tools, tool_choice))
+                                                 context_limit, tools, tool_choice, model))
         _check(self._wait(f"req:{rid}"))  # accepted, or the refusal
         if stream:
             return Stream(self, rid)
@@ -543,18 +556,19 @@ class AsyncClient(_ClientCore):
     async def health(self, timeout: float = 5.0) -> dict[str, Any]:
         return await self._call("health", timeout=timeout)
 
-    async def info(self) -> dict[str, Any]:
-        return await self._call("info")
+    async def info(self, model: str | None = None) -> dict[str, Any]:
+        return await self._call("info", _model_content(model))
 
     async def stats(self) -> dict[str, Any]:
         return await self._call("stats")
 
-    async def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None
-                       ) -> list[int]:
-        return (await self._call("tokenize", _tokenize_content(prompt, messages)))["token_ids"]
+    async def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                       model: str | None = None) -> list[int]:
+        return (await self._call("tokenize", _tokenize_content(prompt, messages, model)))["token_ids"]
 
-    async def detokenize(self, token_ids: list[int]) -> list[str]:
-        return (await self._call("detokenize", {"token_ids": list(token_ids)}))["pieces"]
+    async def detokenize(self, token_ids: list[int], model: str | None = None) -> list[str]:
+        content = {"token_ids": list(token_ids), **(_model_content(model) or {})}
+        return (await self._call("detokenize", content))["pieces"]
 
     async def shutdown(self) -> dict[str, Any]:
         return await self._call("shutdown")
@@ -563,7 +577,7 @@ class AsyncClient(_ClientCore):
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
                  on_accepted: Callable[[dict[str, Any]], None] | None = None, priority: int = 0,
                  context_limit: int | None = None, tools: list[dict[str, Any]] | None = None,
-                 tool_choice: str | dict[str, Any] | None = None, **params: Any
+                 tool_choice: str | dict[str, Any] | None = None, model: str | None = None, **params: Any
                  ) -> AsyncIterator[Delta | Result] | Awaitable[Result]:
         """Start a request, as :meth:`Client.generate`. With ``stream``, an async iterator of
         :class:`Delta` ending with one :class:`Result`; leaving it early cancels the request
@@ -572,7 +586,7 @@ class AsyncClient(_ClientCore):
         published stats)."""
         rid = request_id or self._new_request_id()
         content = _generate_content(rid, prompt, messages, token_ids, stream, params, priority, context_limit,
-                                    tools, tool_choice)
+                                    tools, tool_choice, model)
         if stream:
             return self._stream(rid, content, on_accepted)
         return self._complete(rid, content, on_accepted)

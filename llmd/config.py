@@ -238,6 +238,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
                                          "renders tools, say)", "FILE", "(the model's)"),
     Option("max_queue_len", 256, lambda v: _whole(v, 1, 1_000_000),
            "waiting requests beyond which new ones are refused as overloaded", "N"),
+    Option("max_loaded_models", 2, lambda v: _whole(v, 1, 64),
+           "models the daemon holds loaded at once: a request naming another loads it, unloading the least "
+           "recently used idle one when this many are loaded", "N"),
     Option("idle_unload", 0.0, lambda v: _number(v, 0.0, 60.0 * 24 * 365),
            "minutes without requests after which the model and KV cache are freed (reloaded on the next "
            "request); 0 keeps them loaded", "MINUTES"),

@@ -57,6 +57,7 @@ class ErrorCode:
     SHUTTING_DOWN = "shutting_down"  # daemon is stopping: no new requests
     CANCELLED = "cancelled"  # the daemon ended the request (e.g. shutdown timeout)
     INTERNAL = "internal"  # a failure inside the daemon (e.g. a model step)
+    MODEL_NOT_FOUND = "model_not_found"  # the request names a model this daemon cannot serve
 
 
 class ProtocolError(Exception):

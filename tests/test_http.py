@@ -213,7 +213,7 @@ def test_bad_requests_get_openai_shaped_400s(url, model) -> None:
                    json={"model": model, "messages": MESSAGES, "max_tokens": 2, "metadata_x": {"a": 1}})
     assert r.status_code == 200
     client = sdk(url)
-    with pytest.raises(openai.NotFoundError, match="not served here"):
+    with pytest.raises(openai.NotFoundError, match="not found"):
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x" * 3000}])
@@ -388,7 +388,7 @@ def test_ollama_client_lists_and_chats(daemon, url, model) -> None:
     assert generated.response == native.text  # the chat template around the prompt, as Ollama does
     with pytest.raises(ollama.ResponseError, match="num_ctx"):
         client.chat(model=model, messages=MESSAGES, options={"num_ctx": 1 << 20})
-    with pytest.raises(ollama.ResponseError, match="not served here") as e:
+    with pytest.raises(ollama.ResponseError, match="not found") as e:
         client.chat(model="llama3:8b", messages=MESSAGES)
     assert e.value.status_code == 404
     assert httpx.get(url + "/api/version", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()["version"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmd.commands.daemon_process import start_background
 from llmd.commands.flags import add_settings_flags, settings_of
@@ -50,8 +50,22 @@ def run(args: argparse.Namespace) -> int:
                                                   sampling_defaults=settings.sampling)
         except ValueError as e:
             raise LlmdError(str(e)) from None
-        return serve(options, _http_front(settings))
+        return serve(options, _http_front(settings), _settings_for(args))
     return start_background(args, settings)
+
+
+def _settings_for(args: argparse.Namespace) -> Any:
+    """How the daemon loads another model a request names: this command's flags and the config file,
+    with that model's table, as `llmd start --model NAME` would."""
+    from llmd.config import OPTIONS, resolve
+    from llmd.daemon.engine_args import EngineArgs
+
+    flags = {name: getattr(args, name, None) for name in OPTIONS}
+
+    def settings_for(name: str) -> tuple[EngineArgs, dict[str, Any]]:
+        settings = resolve({**flags, "model": name})
+        return EngineArgs.from_settings(settings.values), settings.sampling
+    return settings_for
 
 
 def _http_front(settings: Settings) -> HttpFront | None:

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         f"KV cache    {used}/{total} blocks used, {cached} cached, {total - used - cached} free "
         f"({info['block_size']} tokens each{_kv_format(info)})",
         f"memory      {_memory_line(info, stats)}",
+        *([f"models      {_models_line(info, stats)}"] if len(stats.get("models") or ()) > 1 else []),
         f"requests    {stats['num_running']} running, {stats['num_waiting']} waiting, "
         f"{stats['num_preemptions']} preemptions",
         f"throughput  {stats['prefill_tokens_per_s']:.1f} prompt tok/s, {stats['decode_tokens_per_s']:.1f} "
@@ -78,6 +79,12 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"HTTP API    {info['http']}/v1 (OpenAI), {info['http']}/api (Ollama), {info['http']}/metrics")
     print("\n".join(lines))
     return STATUS_RUNNING
+
+
+def _models_line(info: dict, stats: dict) -> str:
+    """The models the daemon has built, the default first (daemon/model_set.py)."""
+    shown = [f"{m['name']} ({m['state']}{', default' if m.get('default') else ''})" for m in stats["models"]]
+    return ", ".join(shown) + f"; at most {info.get('max_loaded_models', 1)} loaded at once"
 
 
 def _memory_line(info: dict, stats: dict) -> str:

@@ -23,6 +23,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     ErrorCode.SHUTTING_DOWN: (503, "service_unavailable"),
     ErrorCode.CANCELLED: (503, "service_unavailable"),
     ErrorCode.INTERNAL: (500, "server_error"),
+    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),  # as OpenAI answers an unknown model
 }
 
 

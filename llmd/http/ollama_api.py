@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
 from llmd.client import Delta, Result
-from llmd.http.backend import Backend
+from llmd.http.backend import Backend, ModelView
 from llmd.http.errors import HTTPError
 from llmd.http.streaming import Started, until_disconnect
 
@@ -26,6 +26,7 @@ OLLAMA_API_VERSION = "0.12.0"
 # Ollama's own defaults where llmd's differ (its documented `options`), so an Ollama client samples
 # as it would there.
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+UNKNOWN_CONTEXT = 1 << 24  # a model not loaded yet: the daemon fits the context limit to the model's
 
 
 class _Body(BaseModel):
@@ -122,7 +123,7 @@ def _ns(seconds: Any) -> int:
     return int(float(seconds) * 1e9) if isinstance(seconds, (int, float)) else 0
 
 
-async def _details(backend: Backend) -> dict[str, Any]:
+async def _details(backend: Backend | ModelView) -> dict[str, Any]:
     info = await backend.info()
     quant = str(info.get("quantization") or "")
     return {"format": "gguf" if str(info.get("model_path", "")).endswith(".gguf") else "safetensors",
@@ -130,9 +131,9 @@ async def _details(backend: Backend) -> dict[str, Any]:
             "parameter_size": "", "quantization_level": quant, "parent_model": ""}
 
 
-async def _entry(backend: Backend) -> dict[str, Any]:
+async def _entry(backend: ModelView) -> dict[str, Any]:
     info = await backend.info()
-    name = f"{await backend.model_id()}:latest"
+    name = f"{await backend.id()}:latest"
     return {"name": name, "model": name, "size": int(info.get("weight_bytes") or 0), "digest": "",
             "modified_at": datetime.fromtimestamp(float(info["started"]), timezone.utc).isoformat(),
             "details": await _details(backend)}
@@ -143,25 +144,39 @@ async def version() -> dict[str, Any]:
     return {"version": OLLAMA_API_VERSION}
 
 
+def _views(backend: Backend, info: dict[str, Any], loaded_only: bool) -> list[ModelView]:
+    """The default model's view, then the other models the daemon has built (``info``'s ``models``)."""
+    others = [m["name"] for m in info.get("models", []) if not m.get("default")
+              and (not loaded_only or m.get("state") == "loaded")]
+    default = [m for m in info.get("models", []) if m.get("default")]
+    first = [] if loaded_only and default and default[0].get("state") != "loaded" else [backend.view()]
+    return first + [backend.view(name) for name in others]
+
+
 @router.get("/api/tags")
 async def tags(request: Request) -> dict[str, Any]:
-    return {"models": [await _entry(_backend(request))]}
+    backend = _backend(request)
+    return {"models": [await _entry(v) for v in _views(backend, await backend.info(), loaded_only=False)]}
 
 
 @router.get("/api/ps")
 async def running(request: Request) -> dict[str, Any]:
     backend = _backend(request)
-    entry = await _entry(backend)
-    info = await backend.info()
-    return {"models": [{**entry, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
-                        "context_length": info["max_model_len"]}]}
+    out = []
+    for view in _views(backend, await backend.info(), loaded_only=True):
+        info = await view.info()
+        out.append({**await _entry(view), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
+                    "context_length": info["max_model_len"]})
+    return {"models": out}
 
 
 @router.post("/api/show")
 async def show(body: ShowRequest, request: Request) -> dict[str, Any]:
-    backend = _backend(request)
-    await backend.check_model(body.model or body.name)
+    backend = await _backend(request).check_model(body.model or body.name)
     info = await backend.info()
+    if info["max_model_len"] is None:
+        raise HTTPError(404, f"model {body.model or body.name!r} is not loaded here (a request naming it loads it)",
+                        "model_not_found", param="model")
     arch = info.get("model_type", "llama")
     capabilities = ["completion", "tools"] if info.get("tools") else ["completion"]
     return {"license": "", "modelfile": "", "parameters": "", "template": "",
@@ -170,12 +185,13 @@ async def show(body: ShowRequest, request: Request) -> dict[str, Any]:
             "modified_at": (await _entry(backend))["modified_at"]}
 
 
-async def _params(backend: Backend, options: Options, response_format: dict[str, Any] | None = None
+async def _params(backend: Backend | ModelView, options: Options, response_format: dict[str, Any] | None = None
                   ) -> tuple[dict[str, Any], int]:
     """The daemon's sampling params and the request's context limit: ``num_ctx`` is honoured (prompt
     and output within it) or refused when the model holds less, never cut silently."""
     info = await backend.info()
-    max_model_len = int(info["max_model_len"])
+    # (a model not loaded yet: its context unknown here; the daemon fits the limit to the model's)
+    max_model_len = int(info["max_model_len"] or UNKNOWN_CONTEXT)
     if options.num_ctx is not None and options.num_ctx > max_model_len:
         raise HTTPError(400, f"num_ctx {options.num_ctx} is more than this model holds ({max_model_len} tokens); "
                              f"use num_ctx <= {max_model_len}", "invalid_value", param="num_ctx")
@@ -215,17 +231,18 @@ def _final(model: str, result: Result) -> dict[str, Any]:
             "eval_duration": _ns(max(e2e - ttft, 0.0))}
 
 
-async def _answer(request: Request, model: str, source: dict[str, Any], params: dict[str, Any], limit: int,
-                  stream: bool, shape: Any) -> JSONResponse | StreamingResponse:
-    """Run the request; ``shape(text, result)`` is a chunk's body (chat: a message, generate: a
-    response; ``result`` at the end, with its tool calls)."""
-    client = _backend(request).client
+async def _answer(request: Request, view: ModelView, model: str, source: dict[str, Any], params: dict[str, Any],
+                  limit: int, stream: bool, shape: Any) -> JSONResponse | StreamingResponse:
+    """Run the request on ``view``'s model; ``shape(text, result)`` is a chunk's body (chat: a message,
+    generate: a response; ``result`` at the end, with its tool calls)."""
+    client = view.client
     if not stream:
         result = await until_disconnect(request, client.generate(**source, stream=False, context_limit=limit,
-                                                                 **params))
+                                                                 model=view.model, **params))
         return JSONResponse({**shape(result.text, result), **_final(model, result)})
     started = await Started.start(lambda accepted: client.generate(**source, stream=True, context_limit=limit,
-                                                                   on_accepted=accepted, **params))
+                                                                   on_accepted=accepted, model=view.model,
+                                                                   **params))
 
     async def lines() -> AsyncIterator[bytes]:
         async for item in started.items(lambda e: _ndjson({"error": str(e)})):
@@ -243,9 +260,9 @@ async def _answer(request: Request, model: str, source: dict[str, Any], params: 
 
 @router.post("/api/chat", response_model=None)
 async def chat(body: ChatRequest, request: Request) -> JSONResponse | StreamingResponse:
-    backend = _backend(request)
     body.check()
-    model = await backend.check_model(body.model)
+    backend = await _backend(request).check_model(body.model)  # (a view of the model named)
+    model = await backend.id()
     if not body.messages:  # Ollama's way to load a model: nothing to say, the model is ready
         return JSONResponse({"model": f"{model}:latest", "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
@@ -255,7 +272,7 @@ async def chat(body: ChatRequest, request: Request) -> JSONResponse | StreamingR
     source: dict[str, Any] = {"messages": [m.to_daemon() for m in body.messages]}
     if body.tools:
         source["tools"] = body.tools  # the daemon checks them (a bad one is a 400 naming it)
-    return await _answer(request, f"{model}:latest", source, params, limit, body.stream, _chat_message)
+    return await _answer(request, backend, f"{model}:latest", source, params, limit, body.stream, _chat_message)
 
 
 def _chat_message(text: str, result: Result | None) -> dict[str, Any]:
@@ -269,9 +286,9 @@ def _chat_message(text: str, result: Result | None) -> dict[str, Any]:
 
 @router.post("/api/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> JSONResponse | StreamingResponse:
-    backend = _backend(request)
     body.check()
-    model = await backend.check_model(body.model)
+    backend = await _backend(request).check_model(body.model)  # (a view of the model named)
+    model = await backend.id()
     if body.suffix:
         raise HTTPError(400, "suffix needs a fill-in-the-middle template, which this model does not have",
                         "unsupported_suffix", param="suffix")
@@ -285,6 +302,6 @@ async def generate(body: GenerateRequest, request: Request) -> JSONResponse | St
     else:  # as Ollama does: the model's template around the prompt (and the system message)
         system = [{"role": "system", "content": body.system}] if body.system else []
         source = {"messages": [*system, {"role": "user", "content": body.prompt}]}
-    return await _answer(request, f"{model}:latest", source, params, limit, body.stream,
+    return await _answer(request, backend, f"{model}:latest", source, params, limit, body.stream,
                          lambda text, _: {"response": text})
 

@@ -14,13 +14,14 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from llmd.client import Delta, Result
-from llmd.http.backend import Backend
+from llmd.http.backend import Backend, ModelView
 from llmd.http.errors import HTTPError, response_for
 from llmd.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from llmd.http.streaming import Started, finish_reason, token_logprobs, until_disconnect
 
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's: until the context is full)
+UNKNOWN_CONTEXT = 1 << 24  # the context limit sent for a model not loaded yet (the daemon fits it to the model's)
 
 
 def _backend(request: Request) -> Backend:
@@ -38,7 +39,7 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _limits(backend: Backend, params: dict[str, Any], default_max_tokens: int | None) -> int | None:
+async def _limits(backend: Backend | ModelView, params: dict[str, Any], default_max_tokens: int | None) -> int | None:
     """Fills in max_tokens; returns the context_limit to send: without a max_tokens, a chat runs
     until the context is full (the daemon lowers max_tokens to what fits)."""
     if "max_tokens" in params:
@@ -46,26 +47,32 @@ async def _limits(backend: Backend, params: dict[str, Any], default_max_tokens: 
     if default_max_tokens is not None:
         params["max_tokens"] = default_max_tokens
         return None
-    limit = int((await backend.info())["max_model_len"])
+    # (a model not loaded yet: its context unknown here; the daemon lowers this to what it holds)
+    limit = int((await backend.info())["max_model_len"] or UNKNOWN_CONTEXT)
     params["max_tokens"] = limit
     return limit
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    """The default model, then the others the daemon has loaded (or unloaded to make room)."""
     backend = _backend(request)
     info = await backend.info()
-    return {"object": "list", "data": [{"id": await backend.model_id(), "object": "model",
-                                        "created": int(info["started"]), "owned_by": "llmd",
-                                        "max_model_len": info["max_model_len"]}]}
+    data = [{"id": await backend.model_id(), "object": "model", "created": int(info["started"]), "owned_by": "llmd",
+             "max_model_len": info["max_model_len"]}]
+    data += [{"id": m["name"], "object": "model", "created": int(info["started"]), "owned_by": "llmd",
+              "max_model_len": m.get("max_model_len")} for m in info.get("models", []) if not m.get("default")]
+    return {"object": "list", "data": data}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-    backend = _backend(request)
-    model = await backend.check_model(model_id)
-    info = await backend.info()
-    return {"id": model, "object": "model", "created": int(info["started"]), "owned_by": "llmd",
+    view = await _backend(request).check_model(model_id)
+    info = await view.info()
+    if info["max_model_len"] is None:
+        raise HTTPError(404, f"model {model_id!r} is not loaded here (a request naming it loads it)",
+                        "model_not_found", param="model")
+    return {"id": await view.id(), "object": "model", "created": int(info["started"]), "owned_by": "llmd",
             "max_model_len": info["max_model_len"]}
 
 
@@ -87,7 +94,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
 
 # ---- chat ----------------------------------------------------------------------------------------
 
-async def _chat_logprobs(backend: Backend, token_ids: list[int], logprobs: list[Any] | None) -> dict[str, Any]:
+async def _chat_logprobs(backend: Backend | ModelView, token_ids: list[int], logprobs: list[Any] | None
+                         ) -> dict[str, Any]:
     return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()),
                          "top_logprobs": [{"token": t, "logprob": alp, "bytes": list(t.encode())} for t, alp in top]}
                         for text, lp, top in await token_logprobs(backend, token_ids, logprobs)]}
@@ -95,9 +103,9 @@ async def _chat_logprobs(backend: Backend, token_ids: list[int], logprobs: list[
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    backend = _backend(request)
     body.check()
-    model = await backend.check_model(body.model)
+    backend = await _backend(request).check_model(body.model)  # (a view of the model named)
+    model = await backend.id()
     messages = body.chat_messages()
     params = body.sampling()
     context_limit = await _limits(backend, params, None)
@@ -106,7 +114,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     tools = body.tool_fields()
     if not body.stream:
         result = await until_disconnect(request, client.generate(
-            messages=messages, stream=False, context_limit=context_limit, **tools, **params))
+            messages=messages, stream=False, context_limit=context_limit, model=backend.model, **tools, **params))
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         if result.tool_calls:
             message = {"role": "assistant", "content": result.text or None, "tool_calls": _tool_calls(result)}
@@ -118,7 +126,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
                              "choices": [choice], "usage": _usage(result)})
     # Accepted, or refused as an HTTP error before anything is sent.
     started = await Started.start(lambda accepted: client.generate(
-        messages=messages, stream=True, context_limit=context_limit, on_accepted=accepted, **tools, **params))
+        messages=messages, stream=True, context_limit=context_limit, on_accepted=accepted, model=backend.model,
+        **tools, **params))
 
     async def events() -> AsyncIterator[bytes]:
         usage_field = {"usage": None} if body.include_usage else {}
@@ -175,9 +184,9 @@ def _completion_logprobs(items: list[tuple[str, float | None, list[tuple[str, fl
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    backend = _backend(request)
     body.check()
-    model = await backend.check_model(body.model)
+    backend = await _backend(request).check_model(body.model)  # (a view of the model named)
+    model = await backend.id()
     prompt = body.one_prompt()
     params = body.sampling()
     await _limits(backend, params, COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -189,7 +198,8 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
                         "unsupported_echo_logprobs", param="echo")
     if isinstance(prompt, str):
         # echo with logprobs scores the prompt's own tokens: send the ids, so they are known here
-        source: dict[str, Any] = {"token_ids": await client.tokenize(prompt)} if echo_logprobs else {"prompt": prompt}
+        source: dict[str, Any] = ({"token_ids": await client.tokenize(prompt, model=backend.model)} if echo_logprobs
+                                  else {"prompt": prompt})
     else:
         source = {"token_ids": prompt}
     if echo_logprobs:
@@ -200,7 +210,8 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     if not body.stream:
-        result = await until_disconnect(request, client.generate(**source, stream=False, **params))
+        result = await until_disconnect(request, client.generate(**source, stream=False, model=backend.model,
+                                                                 **params))
         text = (prompt_text if body.echo else "") + result.text
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
                                   "finish_reason": finish_reason(result.finish_reason)}
@@ -214,7 +225,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
                              "choices": [choice], "usage": _usage(result)})
 
     started = await Started.start(lambda accepted: client.generate(**source, stream=True, on_accepted=accepted,
-                                                                   **params))
+                                                                   model=backend.model, **params))
 
     async def events() -> AsyncIterator[bytes]:
         usage_field = {"usage": None} if body.include_usage else {}
@@ -250,7 +261,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _prompt_items(backend: Backend, token_ids: list[int], prompt_logprobs: list[Any] | None
+async def _prompt_items(backend: Backend | ModelView, token_ids: list[int], prompt_logprobs: list[Any] | None
                         ) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
     """The prompt's tokens for echo: the first has no logprob (nothing precedes it)."""
     texts = await backend.pieces(token_ids)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from llmd.client import DaemonNotRunningError, Delta, Result, ServerError
-from llmd.http.backend import Backend
+from llmd.http.backend import Backend, ModelView
 
 T = TypeVar("T")
 
@@ -93,7 +93,7 @@ async def _close(stream: AsyncIterator[Any], head: asyncio.Future[Any]) -> None:
     await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def token_logprobs(backend: Backend, token_ids: list[int], logprobs: list[Any] | None
+async def token_logprobs(backend: Backend | ModelView, token_ids: list[int], logprobs: list[Any] | None
                          ) -> list[tuple[str, float, list[tuple[str, float]]]]:
     """The daemon's logprobs (per token ``[logprob, [[token_id, logprob], ...]]``) with each token's
     text: ``(text, logprob, [(text, logprob), ...])``."""

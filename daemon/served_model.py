@@ -1,0 +1,52 @@
+"""One model the daemon serves: its engine, the encoder of its prompts, what ``info`` says of it, its
+requests' sampling defaults, and its life (unloaded when idle or to make room, loaded again when work
+arrives: daemon/model_lifecycle.py). The daemon holds one or more (daemon/model_set.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmd.daemon.engine.engine import LLMEngine
+from llmd.daemon.model_lifecycle import ModelLifecycle
+from llmd.daemon.prompt_encoder import PromptEncoder
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """Args:
+        name: how requests name it (``model`` in ``generate``): the ``--model`` value it was loaded by.
+        engine: its engine (loaded, or unloaded with its tokenizer and queue kept).
+        info: what ``info`` says of it (name, path, dtype, quantisation, KV cache...).
+        lifecycle: its unload and reload.
+        sampling_defaults: what its requests get for the sampling parameters they leave out.
+    """
+
+    name: str
+    engine: LLMEngine
+    info: dict[str, Any]
+    lifecycle: ModelLifecycle
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    encoder: PromptEncoder = field(init=False)
+    last_used: float = field(default_factory=time.monotonic)  # its last request or step: the LRU order
+
+    def __post_init__(self) -> None:
+        self.encoder = PromptEncoder(self.engine.tokenizer, self.engine.max_request_tokens)
+
+    @property
+    def state(self) -> str:
+        """``loaded``, ``unloaded`` or ``loading``."""
+        return self.lifecycle.state
+
+    def close(self) -> None:
+        self.lifecycle.join()
+        self.encoder.close()
+
+    def describe(self) -> dict[str, Any]:
+        """Its entry in ``info``'s and the stats' ``models``."""
+        engine = self.engine
+        return {"name": self.name, "model": self.info.get("model"), "state": self.state,
+                "max_model_len": engine.max_model_len, "num_running": len(engine.scheduler.running),
+                "num_waiting": engine.num_waiting, "weight_bytes": self.info.get("weight_bytes"),
+                "kv_cache_bytes": self.info.get("kv_cache_bytes")}
