@@ -134,6 +134,13 @@ def test_at_most_max_loaded_models_the_least_recently_used_idle_one_makes_room(d
             assert greedy(c) == reference["a"]  # a again: loaded back, b unloaded for it
             assert states(c) == {a: "loaded", b: "unloaded"}
             assert greedy(c, b) == reference["b"]
+            # `llmd generate --model` through the daemon: it serves b rather than loading b in its own process
+            out = subprocess.run([sys.executable, "-m", "llmd", "generate", "hello", "--model", b, "--raw",
+                                  "--max-tokens", "6", "--temperature", "0", "--socket-dir", str(socket_dir)],
+                                 capture_output=True, text=True, timeout=60, env=env)
+            assert out.returncode == 0 and "in this process" not in out.stderr, out.stderr
+            want = c.generate(prompt="hello", stream=False, max_tokens=6, temperature=0, model=b)
+            assert out.stdout == want.text + "\n"
             # a stream of a in flight: b's request waits for it to finish, then a makes room
             stream = c.generate(token_ids=PROMPT, max_tokens=200, temperature=0, ignore_eos=True)
             deltas = iter(stream)

@@ -59,13 +59,12 @@ def run(args: argparse.Namespace) -> int:
         connection = load_connection(settings["socket_dir"])
     except DaemonNotRunningError:
         connection = None
+    model = None  # the daemon's default
     if connection is not None and args.model is not None:
         from llmd.daemon.model_source import resolve_model  # light: no torch
 
         if str(resolve_model(args.model, settings["models_dir"]).path) != connection.get("model_path"):
-            logging.getLogger("llmd").info("the running daemon serves %s, not %s; running in this process",
-                                           connection.get("model"), args.model)
-            connection = None
+            model = args.model  # the daemon loads it (and serves its default model still)
     if connection is None:
         from llmd.daemon.model_source import resolve_model
 
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("llmd").info("no llmd daemon is running: loading the model in this process "
                                        "(`llmd start` keeps it loaded for every request)")
         return _generate_in_process(args, settings, prompt)
-    return _generate_with_daemon(args, prompt, connection)
+    return _generate_with_daemon(args, prompt, connection, model)
 
 
 def _read_prompt(arg: str) -> str:
@@ -148,16 +147,28 @@ def _generate_in_process(args: argparse.Namespace, settings: Settings, prompt: s
     return 0
 
 
-def _generate_with_daemon(args: argparse.Namespace, prompt: str, connection: dict) -> int:
-    from llmd.client import Client
+def _generate_with_daemon(args: argparse.Namespace, prompt: str, connection: dict, model: str | None) -> int:
+    """Through the daemon, on its default model or ``model`` (which it loads if it must)."""
+    from llmd.client import Client, ServerError
 
-    chat = connection.get("chat_template", False) if args.chat is None else args.chat
-    kwargs = _sampling_kwargs(args, connection.get("sampling_defaults") or {})
     with Client(connection=connection) as client:
+        info = connection
+        if model is not None:
+            try:
+                info = client.info(model)
+            except ServerError as e:
+                if e.code != "model_not_found":
+                    raise
+                # not loaded yet: a one-token request loads it (or says why it cannot), then its info
+                # tells whether it chats and what it samples with by default
+                client.generate(prompt, model=model, stream=False, max_tokens=1)
+                info = client.info(model)
+        chat = info.get("chat_template", False) if args.chat is None else args.chat
+        kwargs = _sampling_kwargs(args, info.get("sampling_defaults") or {})
         if chat:
-            stream = client.chat([{"role": "user", "content": prompt}], **kwargs)
+            stream = client.chat([{"role": "user", "content": prompt}], model=model, **kwargs)
         else:
-            stream = client.generate(prompt, **kwargs)
+            stream = client.generate(prompt, model=model, **kwargs)
         for delta in stream:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
