@@ -43,11 +43,12 @@ class FakeClient:
         while True:
             yield await self.stats.get()
 
-    async def chat(self, messages: list[dict[str, str]], on_accepted=None, priority: int = 0, **params: Any
-                   ) -> AsyncIterator[Delta | Result]:
+    async def chat(self, messages: list[dict[str, str]], on_accepted=None, priority: int = 0, model: str | None = None,
+                   **params: Any) -> AsyncIterator[Delta | Result]:
         self._ids += 1
         rid = f"r{self._ids}"
-        self.requests.append({"messages": [dict(m) for m in messages], "params": params, "priority": priority})
+        self.requests.append({"messages": [dict(m) for m in messages], "params": params, "priority": priority,
+                              "model": model})
         if self.error is not None:
             raise self.error
         if on_accepted is not None:

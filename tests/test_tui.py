@@ -53,7 +53,7 @@ async def test_send_streams_the_answer_and_saves(tmp_path: Path) -> None:
                               ("assistant", "Paris is the **capital** of France.")]
         sent = client.requests[0]
         assert sent["messages"] == [{"role": "user", "content": "What is the capital of France?"}]  # no system prompt
-        assert sent["params"] == ChatSettings().params()
+        assert sent["params"] == ChatSettings().params() and sent["model"] is None  # the daemon's default
         assert sent["priority"] == INTERACTIVE_PRIORITY > 0  # a person waits: ahead of batch clients
         saved = ConversationStore(tmp_path / "chats").list()
         assert len(saved) == 1 and saved[0].messages[-1]["content"] == "Paris is the **capital** of France."
@@ -172,6 +172,7 @@ async def test_settings_reach_the_request(tmp_path: Path) -> None:
         screen.query_one("#temperature").value = "0.2"
         screen.query_one("#top-p").value = "0.5"
         screen.query_one("#max-tokens").value = "64"
+        screen.query_one("#model").value = " org/other-GGUF:Q4_K_M "
         await pilot.pause(0.3)  # a button ignores a second press while it shows the first
         await pilot.click("#save")
         await pilot.pause()
@@ -181,6 +182,7 @@ async def test_settings_reach_the_request(tmp_path: Path) -> None:
         sent = client.requests[0]
         assert sent["params"] == {"temperature": 0.2, "top_p": 0.5, "max_tokens": 64}
         assert sent["messages"][0] == {"role": "system", "content": "Answer in French."}
+        assert sent["model"] == "org/other-GGUF:Q4_K_M"  # the chat's model
 
 
 @pytest.mark.asyncio
@@ -276,3 +278,10 @@ async def test_odd_chat_files_do_not_break_the_list(tmp_path: Path) -> None:
         await pilot.press("enter")  # whichever it is, it is gone or spoiled now: a notice, no crash
         await pilot.pause()
         assert app.conversation.messages == [] and app.is_running
+
+
+def test_the_dashboard_names_the_daemons_other_models() -> None:
+    from llmd.tui.dashboard import models_part
+
+    models = [{"name": "a", "state": "loaded", "default": True}, {"name": "b", "state": "unloaded"}]
+    assert models_part(models) == " · also b (unloaded)" and models_part(models[:1]) == ""

@@ -147,7 +147,7 @@ class ChatApp(App[None]):
         status = ""
         # NOTE: someone is watching this one: ahead of batch work from other clients (INTERACTIVE_PRIORITY).
         request = self.client.chat(conversation.request_messages(), **conversation.settings.params(),
-                                   priority=INTERACTIVE_PRIORITY,
+                                   model=conversation.settings.model or None, priority=INTERACTIVE_PRIORITY,
                                    on_accepted=lambda reply: self.own_ids.add(str(reply.get("id"))))
         chat.set_status("writing… (Escape stops)")
         try:

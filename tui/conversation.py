@@ -23,10 +23,14 @@ class ChatSettings:
     temperature: float = 0.7
     top_p: float = 0.9
     max_tokens: int = 512
+    model: str = ""  # the model to answer (a name from `llmd models`); empty: the daemon's default
 
     def __post_init__(self) -> None:
         if not isinstance(self.system_prompt, str):
             raise ValueError("the system prompt must be text")
+        if not isinstance(self.model, str) or len(self.model) > 1024:
+            raise ValueError("the model must be a name from `llmd models` (empty: the daemon's default)")
+        self.model = self.model.strip()
         for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \

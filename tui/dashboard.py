@@ -64,6 +64,12 @@ def describe_model(info: dict[str, Any]) -> str:
             f"{info.get('quantization', '?')}{weights}")
 
 
+def models_part(models: list[dict[str, Any]]) -> str:
+    """`` · also b (loaded), c (unloaded)``: the daemon's other models, when it serves several."""
+    others = [f"{m.get('name', '?')} ({m.get('state', '?')})" for m in models if not m.get("default")]
+    return " · also " + ", ".join(others) if others else ""
+
+
 class Dashboard(Vertical):
     """Call :meth:`set_info` once and :meth:`update_stats` with each stats message."""
 
@@ -73,6 +79,7 @@ class Dashboard(Vertical):
         self.decode: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
         self.redraw_interval_s = REDRAW_INTERVAL_S  # tests set 0: every message drawn at once
         self._latest: tuple[dict[str, Any], set[str]] = ({}, set())
+        self._model_line = ""
         self._drawn_at = 0.0
         self._draw_scheduled = False
 
@@ -94,7 +101,8 @@ class Dashboard(Vertical):
         self.border_title = "engine"
 
     def set_info(self, info: dict[str, Any]) -> None:
-        self.query_one("#model-line", Static).update(describe_model(info))
+        self._model_line = describe_model(info)
+        self.query_one("#model-line", Static).update(self._model_line)
         self.query_one(KVMap).set_capacity(info.get("kv_cache_dtype"), info.get("kv_cache_tokens"))
 
     def update_stats(self, stats: dict[str, Any], own_ids: set[str]) -> None:
@@ -129,3 +137,5 @@ class Dashboard(Vertical):
             f"preemptions {stats.get('num_preemptions', 0)} · running {stats.get('num_running', 0)} · "
             f"waiting {stats.get('num_waiting', 0)}" + speculation_part(stats))
         self.query_one("#requests", Static).update(request_table(rows, own_ids))
+        if isinstance(stats.get("models"), list) and len(stats["models"]) > 1:
+            self.query_one("#model-line", Static).update(self._model_line + models_part(stats["models"]))

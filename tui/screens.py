@@ -60,6 +60,8 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 yield Input(str(s.top_p), id="top-p", compact=True)
                 yield Label("Max tokens")
                 yield Input(str(s.max_tokens), id="max-tokens", compact=True)
+                yield Label("Model (empty: default)")
+                yield Input(s.model, id="model", placeholder="a name from `llmd models`", compact=True)
             yield Static("", id="settings-error")
             with Grid(classes="buttons"):
                 yield Button("Save", variant="primary", id="save", compact=True)
@@ -75,6 +77,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 temperature=float(self.query_one("#temperature", Input).value),
                 top_p=float(self.query_one("#top-p", Input).value),
                 max_tokens=int(self.query_one("#max-tokens", Input).value),
+                model=self.query_one("#model", Input).value,
             )
         except ValueError as e:
             self.query_one("#settings-error", Static).update(f"[red]{e}[/red]")
