@@ -9,6 +9,7 @@ import ctypes.util
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +76,7 @@ class ModelLifecycle:
 
     def _reload_worker(self) -> None:
         start = time.monotonic()
+        lower_priority()
         try:
             self._loaded.append(self.load_model())
             log.info("model loaded again in %.1fs", time.monotonic() - start)
@@ -94,18 +96,34 @@ class ModelLifecycle:
     def is_loading(self) -> bool:
         return self._loading is not None
 
-    def unload(self, why: str = "") -> None:
+    def unload(self, why: str = "", reclaim: bool = True) -> None:
         """Free the model and its KV cache (the engine keeps its tokenizer and queue: work that arrives
-        loads it again)."""
-        rss_before = rss_bytes()
+        loads it again). ``reclaim``: also collect garbage and hand the allocator's free memory back
+        to the system (~0.15 s holding the loop; the weights and the pool are freed without it, by
+        reference counting): not when another model is about to take the memory (ModelSet's evictions)."""
+        rss_before, start = rss_bytes(), time.monotonic()
         self.engine.unload()
-        gc.collect()
-        _release_memory()
+        if reclaim:
+            gc.collect()
+            _release_memory()
         self.num_unloads += 1
         freed = rss_before - rss_bytes()
-        log.info("%s: unloaded the model and KV cache (%s); the next request loads it again",
+        log.info("%s: unloaded the model and KV cache (%s, in %.0f ms); the next request loads it again",
                  why or f"idle for {time.monotonic() - self.last_active:.0f}s",
-                 f"{freed / 2**20:.0f} MiB returned" if freed > 0 else "memory kept by the allocator")
+                 f"{freed / 2**20:.0f} MiB returned" if freed > 0 else "memory kept by the allocator",
+                 1000 * (time.monotonic() - start))
+
+
+def lower_priority() -> None:
+    """This thread's CPU priority, and that of the threads it starts (its OpenMP team for torch's and
+    the native kernels' work), lowered to the least: a load shares the cores with the loop, whose
+    steps serve the requests in flight and must not wait on it. NOTE: Linux's nice is per thread;
+    elsewhere it is per process, so it is left alone."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
 
 
 def rss_bytes() -> int:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from llmd.daemon.model_lifecycle import lower_priority
 from llmd.daemon.served_model import ServedModel
 
 log = logging.getLogger("llmd.server")
@@ -151,7 +152,8 @@ class ModelSet:
         if not idle or len(holding) - 1 + len(self._building) >= self.max_loaded:
             return False
         victim = min(idle, key=lambda m: m.last_used)
-        victim.lifecycle.unload(f"room for another model (at most {self.max_loaded} loaded): {victim.name}")
+        victim.lifecycle.unload(f"room for another model (at most {self.max_loaded} loaded): {victim.name}",
+                                reclaim=False)
         return True
 
     def _start_build(self, name: str) -> None:
@@ -160,6 +162,7 @@ class ModelSet:
 
         def build() -> None:
             start = time.monotonic()
+            lower_priority()
             try:
                 self._built[name] = load(name)
                 log.info("loaded %s in %.1fs", name, time.monotonic() - start)
