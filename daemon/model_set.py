@@ -7,8 +7,10 @@ A model not yet served is built by a worker thread (its tokenizer, weights and e
 others; the requests for it wait (daemon/intake.py), their queue time including the load. At most
 ``max_loaded`` models hold their weights at once: to load one more, the least recently used model
 with no request in flight is unloaded (its engine keeps its tokenizer and queue; a request for it
-loads it again, daemon/model_lifecycle.py). A load that must wait for room waits, and is started as
-soon as a model falls idle.
+loads it again, daemon/model_lifecycle.py). With ``--max-models-mb``, their weights
+and KV pools (reserved) must also fit that many MiB (a model not built yet is guessed by its files'
+size and its KV setting). A load that must wait for room waits, and is started as soon as a model
+falls idle.
 
 Each model has its own engine and KV pool; the loop steps them in turn (one step each, round
 robin, among those with work), so two busy models share the machine step for step.
@@ -38,14 +40,22 @@ class ModelSet:
         check: raises an LlmdError at once when a name names no model (offline: no load).
         max_loaded: how many models may hold their weights at once.
         aliases: other names of the default model (its catalogue name, its display name).
+        max_bytes: what the loaded models' weights and KV pools may take in all (0: no bound but
+            ``max_loaded``).
+        estimate: guesses a model's weights and KV pool before it is built, by its name.
     """
 
     def __init__(self, default: ServedModel, load: Callable[[str], ServedModel] | None = None,
                  check: Callable[[str], None] | None = None, max_loaded: int = 1,
-                 aliases: tuple[str, ...] = ()) -> None:
+                 aliases: tuple[str, ...] = (), max_bytes: int = 0,
+                 estimate: Callable[[str], int] | None = None) -> None:
         if max_loaded < 1:
             raise ValueError("max_loaded_models must be at least 1")
+        if max_bytes < 0:
+            raise ValueError("max_models_mb must be >= 0 (0: no bound)")
         self.default, self._load, self._check, self.max_loaded = default, load, check, max_loaded
+        self.max_bytes, self._estimate_bytes = max_bytes, estimate
+        self._building_bytes: dict[str, int] = {}  # the builds in flight's estimates
         self.models: dict[str, ServedModel] = {default.name: default}
         self._aliases = {a.casefold() for a in (*aliases, default.name)}
         self._wanted: list[str] = []  # names to build, in the order asked
@@ -116,6 +126,7 @@ class ModelSet:
         for name, result in list(self._built.items()):
             del self._built[name]
             self._building.pop(name).join()
+            self._building_bytes.pop(name, None)
             if isinstance(result, BaseException):
                 log.error("loading %s failed: %s: %s", name, type(result).__name__, result)
                 failures.append((name, result))
@@ -131,7 +142,7 @@ class ModelSet:
             failure = model.lifecycle.tick(busy(model), may_load=not wants_load or self._make_room(busy, model))
             if failure is not None:
                 failures.append((model.name, failure))
-        while self._wanted and self._make_room(busy, None):
+        while self._wanted and self._make_room(busy, None, self._wanted[0]):
             self._start_build(self._wanted.pop(0))
         return ready, failures
 
@@ -141,20 +152,40 @@ class ModelSet:
         for model in self.models.values():
             model.close()
 
-    def _make_room(self, busy: Callable[[ServedModel], bool], for_model: ServedModel | None) -> bool:
-        """Whether one more model may load now, unloading the least recently used idle one if that
-        makes room. NOTE: loads in flight count as loaded (their memory is about to be taken)."""
-        holding = [m for m in self.models.values() if m.engine.is_loaded or m.lifecycle.is_loading]
-        if len(holding) + len(self._building) < self.max_loaded:
-            return True
-        idle = [m for m in holding if m.engine.is_loaded and m is not for_model and not busy(m)
-                and not m.engine.has_unfinished()]
-        if not idle or len(holding) - 1 + len(self._building) >= self.max_loaded:
-            return False
-        victim = min(idle, key=lambda m: m.last_used)
-        victim.lifecycle.unload(f"room for another model (at most {self.max_loaded} loaded): {victim.name}",
-                                reclaim=False)
-        return True
+    def _make_room(self, busy: Callable[[ServedModel], bool], for_model: ServedModel | None,
+                   name: str | None = None) -> bool:
+        """Whether ``for_model`` (or the model ``name``, to be built) may load now, unloading least
+        recently used idle models to make room: at most ``max_loaded`` models, and with ``max_bytes``
+        their weights and KV pools within it. A model too large for the budget alone still loads
+        when nothing else holds memory. NOTE: loads in flight count as loaded (their memory is about
+        to be taken)."""
+        need = for_model.footprint() if for_model is not None else self._estimate(name) if name else 0
+        while True:
+            holding = [m for m in self.models.values() if m.engine.is_loaded or m.lifecycle.is_loading]
+            count = len(holding) + len(self._building)
+            used = sum(m.footprint() for m in holding) + sum(self._building_bytes.values())
+            fits_bytes = not self.max_bytes or used + need <= self.max_bytes or count == 0
+            if count < self.max_loaded and fits_bytes:
+                return True
+            idle = [m for m in holding if m.engine.is_loaded and m is not for_model and not busy(m)
+                    and not m.engine.has_unfinished()]
+            rest = count - len(idle)  # (what stays however many idle models go: unload none in vain)
+            rest_bytes = used - sum(m.footprint() for m in idle)
+            if not idle or rest >= self.max_loaded or (self.max_bytes and rest and rest_bytes + need > self.max_bytes):
+                return False
+            victim = min(idle, key=lambda m: m.last_used)
+            limit = f"at most {self.max_loaded} loaded" + (f", {self.max_bytes >> 20} MiB" if self.max_bytes else "")
+            victim.lifecycle.unload(f"room for another model ({limit}): {victim.name}", reclaim=False)
+
+    def _estimate(self, name: str) -> int:
+        """What a model not built yet will hold (its weights and KV pool), as ``estimate`` guesses; 0
+        without a guess."""
+        if self._estimate_bytes is None:
+            return 0
+        try:
+            return self._estimate_bytes(name)
+        except Exception:  # (a guess: the build says what is wrong with the model)
+            return 0
 
     def _start_build(self, name: str) -> None:
         assert self._load is not None  # (check refused names without a loader)
@@ -170,5 +201,6 @@ class ModelSet:
                 self._built[name] = e
 
         log.info("a request names %s: loading it", name)
+        self._building_bytes[name] = self._estimate(name)
         self._building[name] = thread = threading.Thread(target=build, name="llmd-load", daemon=True)
         thread.start()

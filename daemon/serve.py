@@ -34,6 +34,7 @@ class DaemonOptions:
     max_queue_len: int = OPTIONS["max_queue_len"].default
     idle_unload: float = OPTIONS["idle_unload"].default  # minutes; 0 keeps the model loaded
     max_loaded_models: int = OPTIONS["max_loaded_models"].default  # models holding their weights at once
+    max_models_mb: int = OPTIONS["max_models_mb"].default  # their weights and KV pools in all; 0: no bound
     drain_timeout: float = 10.0  # seconds a stop waits for requests in flight
     log_file: str | None = None  # where the log goes (rotated), None: stderr
     # what requests get for the sampling parameters they leave out (the model's config-file table)
@@ -125,9 +126,14 @@ def serve(opts: DaemonOptions, companion: Companion | None = None,
         def check(other: str) -> None:
             resolve_model(other, opts.engine.models_dir)
 
+        def estimate(other: str) -> int:
+            args, _ = settings_for(other)
+            return _estimate_bytes(resolve_model(other, args.models_dir), args.kv_cache_mb)
+
         models = ModelSet(default, load_other if settings_for is not None else None, check,
                           opts.max_loaded_models, aliases=("default", default.info["model"])
-                          + ((DEFAULT_MODEL_ALIAS,) if opts.engine.model is None else ()))
+                          + ((DEFAULT_MODEL_ALIAS,) if opts.engine.model is None else ()),
+                          max_bytes=opts.max_models_mb << 20, estimate=estimate)
         server = Server(models, files, info, server_config)
         connection = files.write_connection_file({**info, **server.connection_fields})
         if companion is not None:
@@ -141,6 +147,16 @@ def serve(opts: DaemonOptions, companion: Companion | None = None,
         if companion is not None:
             companion.stop()
         files.release()
+
+
+def _estimate_bytes(source: Any, kv_cache_mb: int | None) -> int:
+    """A model's weights and KV pool before it is loaded: its files' size (what a GGUF holds; a float
+    checkpoint shrinks when quantised, so this errs high) and its KV setting (else the CPU default)."""
+    from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes
+
+    path = source.path
+    weights = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    return weights + cpu_kv_budget_bytes(kv_cache_mb)
 
 
 def _load_served(name: str, args: EngineArgs, sampling_defaults: Mapping[str, Any], idle_unload_s: float,

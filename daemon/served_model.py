@@ -43,6 +43,10 @@ class ServedModel:
         self.lifecycle.join()
         self.encoder.close()
 
+    def footprint(self) -> int:
+        """What it holds loaded: its weights and its KV pool (reserved), from ``info``."""
+        return int(self.info.get("weight_bytes") or 0) + int(self.info.get("kv_cache_bytes") or 0)
+
     def describe(self) -> dict[str, Any]:
         """Its entry in ``info``'s and the stats' ``models``."""
         engine = self.engine

@@ -137,6 +137,9 @@ def check_bound_launches(engine) -> None:
     on other tensors calls each kernel's wrapper. Same kernels, same arguments: bit for bit the
     same hidden states, on two row counts; new inputs rebind, and a new cache drops every binding."""
     step, caches = engine.model.decode_step, engine.runner.kv_caches
+    for k, v in caches:  # these steps read slots no sequence wrote: a pool starts uninitialised (NaN, maybe)
+        k.zero_()
+        v.zero_()
     step.bind_cache(caches)
     for rows in (1, 3):
         check_bound_step(step, engine.model.model.embed_tokens.weight, rows)
