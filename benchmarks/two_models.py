@@ -12,8 +12,8 @@ the other, then both at once; output tokens per second over the whole phase, the
 ``--rounds``. "Sum alone" is what the two would give on two machines; on one CPU both share its
 cores, so the fair bar is the mean of the two alone (each phase already uses every core).
 
-Load gap: ``--streams`` streams on the first model; a second in, a request for a third name (a third
-path to the file: a new engine built by a worker thread) arrives. Each stream's gaps between tokens
+Load gap (``--gap-rounds`` times): ``--streams`` streams on the first model; a second in, a request
+for another name (another path to the file: a new engine built by a worker thread) arrives. Each stream's gaps between tokens
 are recorded: the largest while the load runs, against the median step (all streams decode in one
 step, so a step is a gap).
 """
@@ -65,11 +65,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--gap-rounds", type=int, default=3)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     gguf = default_model_path()
-    a, b, c = (tmp / name for name in ("model-a.gguf", "model-b.gguf", "model-c.gguf"))
-    for link in (a, b, c):
+    a, b = (tmp / name for name in ("model-a.gguf", "model-b.gguf"))
+    for link in (a, b):
         link.symlink_to(gguf)
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp / "config"), XDG_STATE_HOME=str(tmp / "state"))
     socket_dir = tmp / "run"
@@ -89,25 +90,28 @@ def main() -> None:
         print(f"  a alone {ra:.0f} tok/s, b alone {rb:.0f} tok/s, both at once {both:.0f} tok/s")
         print(f"  both / (a + b alone) = {both / (ra + rb):.2f}x;  both / mean(a, b alone) = {both / ((ra + rb) / 2):.2f}x")
 
-        # the load gap: a third model built while a serves
-        out: list[list[float]] = []
-        threads = [threading.Thread(target=stream_times, args=(socket_dir, None, args.tokens * 2, out))
-                   for _ in range(args.streams)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)
-        load_start = time.monotonic()
-        with Client(socket_dir) as client:
-            client.generate(PROMPT, model=str(c), max_tokens=1, stream=False)
-        load_end = time.monotonic()
-        for t in threads:
-            t.join()
-        gaps = [(t1 - t0, t1) for times in out for t0, t1 in zip(times, times[1:]) if t1 > t0]
-        step = statistics.median(g for g, _ in gaps)
-        during = [g for g, t1 in gaps if load_start <= t1 <= load_end + step]
-        print(f"load gap: a third model built in {load_end - load_start:.1f}s while {args.streams} streams ran; "
-              f"median step {1000 * step:.0f} ms, largest gap during the load {1000 * max(during, default=0):.0f} ms "
-              f"({max(during, default=0) / step:.1f} steps)")
+        # the load gap: another model built while a serves (a new name each time: a fresh build)
+        print(f"load gap: {args.streams} streams on a; another model built meanwhile ({args.gap_rounds} times):")
+        for i in range(args.gap_rounds):
+            other = tmp / f"model-c{i}.gguf"
+            other.symlink_to(gguf)
+            out: list[list[float]] = []
+            threads = [threading.Thread(target=stream_times, args=(socket_dir, None, args.tokens * 2, out))
+                       for _ in range(args.streams)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            load_start = time.monotonic()
+            with Client(socket_dir) as client:
+                client.generate(PROMPT, model=str(other), max_tokens=1, stream=False)
+            load_end = time.monotonic()
+            for t in threads:
+                t.join()
+            gaps = [(t1 - t0, t1) for times in out for t0, t1 in zip(times, times[1:]) if t1 > t0]
+            step = statistics.median(g for g, _ in gaps)
+            during = max((g for g, t1 in gaps if load_start <= t1 <= load_end + step), default=0.0)
+            print(f"  built in {load_end - load_start:.1f}s; median step {1000 * step:.0f} ms, largest gap during "
+                  f"the load {1000 * during:.0f} ms ({during / step:.1f} steps)")
     finally:
         subprocess.run([sys.executable, "-m", "llmd", "stop", "--socket-dir", str(socket_dir)], env=env,
                        capture_output=True)

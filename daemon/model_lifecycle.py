@@ -102,16 +102,28 @@ class ModelLifecycle:
         to the system (~0.15 s holding the loop; the weights and the pool are freed without it, by
         reference counting): not when another model is about to take the memory (ModelSet's evictions)."""
         rss_before, start = rss_bytes(), time.monotonic()
+        held = [self.engine.runner, self.engine.model]  # (the weights and the KV pool)
         self.engine.unload()
         if reclaim:
+            held.clear()
             gc.collect()
             _release_memory()
+        else:
+            # NOTE: dropped by a thread of the lowest priority: their frees (~15 ms for the default
+            # model) overlap the loop's next step, whose kernels run without the interpreter's lock
+            threading.Thread(target=_drop, args=(held,), name="llmd-free", daemon=True).start()
+        del held
         self.num_unloads += 1
         freed = rss_before - rss_bytes()
         log.info("%s: unloaded the model and KV cache (%s, in %.0f ms); the next request loads it again",
                  why or f"idle for {time.monotonic() - self.last_active:.0f}s",
                  f"{freed / 2**20:.0f} MiB returned" if freed > 0 else "memory kept by the allocator",
                  1000 * (time.monotonic() - start))
+
+
+def _drop(held: list[Any]) -> None:
+    lower_priority()
+    held.clear()
 
 
 def lower_priority() -> None:

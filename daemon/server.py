@@ -27,8 +27,8 @@ from llmd.daemon.engine.outputs import RequestDelta
 from llmd.daemon.intake import Intake, LiveRequest, request_key
 from llmd.daemon.model_lifecycle import rss_bytes
 from llmd.daemon.model_set import ModelSet
-from llmd.daemon.served_model import ServedModel
 from llmd.daemon.runtime_files import RuntimeFiles
+from llmd.daemon.served_model import ServedModel
 from llmd.daemon.server_stats import ServerStats
 from llmd.daemon.transport import Reply, Transport
 from llmd.protocol import ErrorCode, Message, ProtocolError, require_str
