@@ -188,8 +188,9 @@ class ModelSet:
             return 0
 
     def _start_build(self, name: str) -> None:
-        assert self._load is not None  # (check refused names without a loader)
         load = self._load
+        if load is None:  # (check refuses every other name then: not reached)
+            raise RuntimeError(f"this daemon serves {self.default.name} only: {name} cannot be built")
 
         def build() -> None:
             start = time.monotonic()

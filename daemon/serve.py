@@ -194,5 +194,4 @@ def _load_served(name: str, args: EngineArgs, sampling_defaults: Mapping[str, An
             "tools": call_style(runtime.tokenizer) is not None,  # its template renders tools
             "sampling_defaults": dict(sampling_defaults)}
     del model  # only the engine holds the model: an unload must be able to free it
-    return ServedModel(name, engine, info, ModelLifecycle(engine, idle_unload_s, runtime.reload),
-                       dict(sampling_defaults))
+    return ServedModel(name, engine, info, ModelLifecycle(engine, idle_unload_s, runtime.reload))

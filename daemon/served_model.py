@@ -18,21 +18,25 @@ class ServedModel:
     """Args:
         name: how requests name it (``model`` in ``generate``): the ``--model`` value it was loaded by.
         engine: its engine (loaded, or unloaded with its tokenizer and queue kept).
-        info: what ``info`` says of it (name, path, dtype, quantisation, KV cache...).
+        info: what ``info`` says of it (name, path, dtype, quantisation, KV cache, the sampling
+            defaults its requests get for the parameters they leave out...).
         lifecycle: its unload and reload.
-        sampling_defaults: what its requests get for the sampling parameters they leave out.
     """
 
     name: str
     engine: LLMEngine
     info: dict[str, Any]
     lifecycle: ModelLifecycle
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     encoder: PromptEncoder = field(init=False)
     last_used: float = field(default_factory=time.monotonic)  # its last request or step: the LRU order
 
     def __post_init__(self) -> None:
         self.encoder = PromptEncoder(self.engine.tokenizer, self.engine.max_request_tokens)
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What its requests get for the sampling parameters they leave out (its config-file table)."""
+        return self.info.get("sampling_defaults") or {}
 
     @property
     def state(self) -> str:

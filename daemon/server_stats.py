@@ -58,7 +58,7 @@ class ServerStats:
         return {**self.model_info, **model.info, "name": model.name, "version": __version__, "pid": os.getpid(),
                 "started": self.started, "max_model_len": engine.max_model_len, "block_size": engine.config.block_size,
                 "num_blocks": engine.num_blocks, "speculative": engine.config.speculative,
-                "sampling_defaults": model.sampling_defaults, "models": self.models.describe(), **self.limits}
+                "models": self.models.describe(), **self.limits}
 
     def live_view(self, live: Mapping[str, LiveRequest]) -> dict[str, Any]:
         """The default model's block map and every model's request table (docs/protocol.md)."""
