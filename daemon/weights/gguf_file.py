@@ -1,8 +1,8 @@
 """Reading a GGUF model file: its config, its tensors (dequantised, or as INT4/INT8 blocks) and its tokenizer.
 
-The ``gguf`` package parses the file through a memory map. It trusts the offsets in the header, so
-the file is validated here: the reader's own failures on a short file become a clear error, and
-every tensor's byte range is checked against the file size before any data is touched.
+The header is parsed by :mod:`llmd.daemon.weights.gguf_reader` (milliseconds, where the ``gguf``
+package takes seconds), which bounds every read by the file: a short or garbled file becomes a
+:class:`CorruptModelError` before any data is touched. The ``gguf`` package still dequantises.
 
 GGUF names tensors the llama.cpp way (``blk.N.attn_q.weight``); :func:`hf_name` maps them to the
 Hugging Face names our model loads. llama.cpp's converter permutes the rows of Llama's q and k
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from llmd.daemon.model_config import ModelConfig, RopeConfig, supported_models_line
+from llmd.daemon.weights.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo
 from llmd.errors import CorruptModelError, InvalidModelError, UnsupportedModelError, UnsupportedTensorTypeError
 from llmd.quant.int4 import Int4Weight
 from llmd.quant.int8 import Int8Weight
@@ -86,34 +87,16 @@ class GGUFModelFile:
     """
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader  # heavy import, only when a GGUF is used
-
         self.path = path
-        size = path.stat().st_size
         try:
-            self.reader = GGUFReader(str(path))
-        except Exception as e:  # the reader fails in many ways on a short or garbled file
-            raise CorruptModelError(
-                f"{path} is truncated or corrupt and cannot be read as GGUF ({type(e).__name__}: {e}); "
-                "download or convert it again"
-            ) from None
-        for t in self.reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise CorruptModelError(
-                    f"{path} is truncated or corrupt: tensor {t.name} ends at byte {end} but the file "
-                    f"has {size} bytes; download or convert it again"
-                )
+            self.reader = GGUFReader(path)
+        except GGUFFormatError as e:
+            raise CorruptModelError(f"{path} is truncated or corrupt and cannot be read as GGUF ({e}); "
+                                    "download or convert it again") from None
         self.tensor_names = {t.name for t in self.reader.tensors}
 
     def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        try:
-            return f.contents()
-        except Exception:
-            raise CorruptModelError(f"{self.path}: metadata field {key} is unreadable") from None
+        return self.reader.field(key, default)
 
     @property
     def architecture(self) -> str:
@@ -143,10 +126,10 @@ class GGUFModelFile:
         head_dim = int(self.field(f"{arch}.attention.key_length", hidden // num_heads))
         vocab = self.field(f"{arch}.vocab_size")
         if vocab is None:
-            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+            tokens = self.field("tokenizer.ggml.tokens")
             if tokens is None:
                 raise InvalidModelError(f"{self.path}: GGUF metadata has neither a vocab size nor a vocabulary")
-            vocab = len(tokens.data)
+            vocab = len(tokens)
         window = self.field(f"{arch}.attention.sliding_window")
         eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         return ModelConfig(
@@ -188,21 +171,24 @@ class GGUFModelFile:
     def check_tensor_types(self) -> None:
         """Raise :class:`UnsupportedTensorTypeError` before loading if any tensor type is unknown."""
         for t in self.reader.tensors:
-            if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            if t.type_name not in SUPPORTED_TENSOR_TYPES:
                 raise UnsupportedTensorTypeError(
-                    f"{self.path}: tensor {t.name} is stored as GGUF type {t.tensor_type.name}, which llmd "
+                    f"{self.path}: tensor {t.name} is stored as GGUF type {t.type_name}, which llmd "
                     f"cannot read; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
                 )
 
-    def _dequantize(self, t: Any) -> np.ndarray:
+    def _dequantize(self, t: TensorInfo) -> np.ndarray:
+        from gguf import GGMLQuantizationType  # its import costs 0.1 s: only for tensors not held as blocks
         from gguf.quants import dequantize
 
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dim first
-        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        data = self.reader.data(t)
+        if t.type_name == "F32":
+            return data
+        return np.asarray(dequantize(data, GGMLQuantizationType(t.type_id)), dtype=np.float32).reshape(t.shape)
 
     def tensor_types(self) -> dict[str, str]:
         """GGUF type name (``Q4_1``, ``F32``, ...) of every weight, by its Hugging Face name."""
-        return {name: t.tensor_type.name for t in self.reader.tensors if (name := hf_name(t.name))}
+        return {name: t.type_name for t in self.reader.tensors if (name := hf_name(t.name))}
 
     def iter_tensors(self, config: ModelConfig, blocks: Collection[str] = ()
                      ) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
@@ -218,7 +204,7 @@ class GGUFModelFile:
             if name is None:
                 continue  # e.g. rope_freqs, already folded into the config
             if name in blocks:
-                data = importers[t.tensor_type.name](np.asarray(t.data))
+                data = importers[t.type_name](self.reader.data(t))
             else:
                 data = torch.from_numpy(np.require(self._dequantize(t), requirements=["C", "W"]))
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -226,6 +212,7 @@ class GGUFModelFile:
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
                 data = _unpermute(data, config.num_kv_heads)
             yield name, data
+            self.reader.release(t)  # copied by now: the peak RSS of a load is the model, not model + file
 
     @property
     def num_tensors(self) -> int:
