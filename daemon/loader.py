@@ -16,6 +16,7 @@ from llmd.daemon.model_config import ModelConfig, config_from_hf
 from llmd.daemon.model_source import ModelSource
 from llmd.daemon.models import LlamaForCausalLM
 from llmd.daemon.models.llama import head_weight_name
+from llmd.daemon.process_memory import release_free_memory
 from llmd.daemon.progress import progress
 from llmd.daemon.weights.gguf_file import GGUFModelFile
 from llmd.daemon.weights.safetensors_files import find_safetensors_files, iter_safetensors, validate_safetensors
@@ -121,6 +122,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
     prepare(model)
     model.eval()
+    release_free_memory()  # the tensors' intermediate forms, freed into the heap: back to the system
     log.info("loaded %s (%s, %d layers) in %.1fs; weights: %s; kernels: %s", source.name, config.model_type,
              config.num_layers, time.perf_counter() - start, describe(weight_memory(model)),
              ", ".join(f"{k} {v}" for k, v in model.kernels().items()))

@@ -4,8 +4,6 @@ wait in the engine's queue, their queue time including the load)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -15,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 
 from llmd.daemon.engine.engine import LLMEngine
+from llmd.daemon.process_memory import release_free_memory, rss_bytes
 
 log = logging.getLogger("llmd.server")
 
@@ -107,7 +105,7 @@ class ModelLifecycle:
         if reclaim:
             held.clear()
             gc.collect()
-            _release_memory()
+            release_free_memory()
         else:
             # NOTE: dropped by a thread of the lowest priority: their frees (~15 ms for the default
             # model) overlap the loop's next step, whose kernels run without the interpreter's lock
@@ -136,26 +134,3 @@ def lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:
             pass
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _release_memory() -> None:
-    """Hand freed memory back to the system: torch's CUDA cache, and glibc's heap, which keeps
-    freed blocks below its (adaptive) mmap threshold for reuse otherwise."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    libc_name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(libc_name) if libc_name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass

@@ -261,10 +261,11 @@ def describe_quant(model: nn.Module, quant: QuantConfig) -> str:
     memory = weight_memory(model)
     formats = sorted(k for k in memory if not k.startswith("dense ") and k != HEAD_Q8)
     dense = str(model.dtype).removeprefix("torch.")
-    head = "; LM head int8 g32 (the checkpoint's Q8_0)" if HEAD_Q8 in memory else ""
+    tied = getattr(model, "embeds_from_head", False)  # the embedding is the head's blocks too
+    head = f"; {'embeddings and ' if tied else ''}LM head int8 g32 (the checkpoint's Q8_0)" if HEAD_Q8 in memory else ""
     if not formats:
         return f"none (--quant {quant.scheme}): all weights {dense}{head}"
-    rest = "embeddings and norms" if head else "embeddings, norms and LM head"
+    rest = "norms" if tied else "embeddings and norms" if head else "embeddings, norms and LM head"
     return f"{' + '.join(formats)} projections (--quant {quant.scheme}); {rest} {dense}{head}"
 
 

@@ -25,7 +25,7 @@ import zmq
 
 from llmd.daemon.engine.outputs import RequestDelta
 from llmd.daemon.intake import Intake, LiveRequest, request_key
-from llmd.daemon.model_lifecycle import rss_bytes
+from llmd.daemon.process_memory import rss_bytes
 from llmd.daemon.model_set import ModelSet
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.daemon.served_model import ServedModel

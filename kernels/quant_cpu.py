@@ -161,6 +161,16 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.scales, self.mins) if t is not None)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[n]``) of an INT8 weight, dequantised: fp32 ``[n, k]``. A tied
+        embedding is read this way from its head's blocks (no dense copy of the table)."""
+        if self.kind != Q8X8:
+            raise ValueError("rows() reads INT8 (Q8X8) weights")
+        group, row = ids // 8, ids % 8
+        q = self.w.view(torch.int8).view(self.w.shape[0], -1, 8, 8, 4)[group, :, :, row, :]  # [n, k/32, 8, 4]
+        scales = self.scales[group, :, row].float().repeat_interleave(self.group_size, dim=1)  # [n, k]
+        return q.reshape(ids.shape[0], self.k).float() * scales
+
     def __call__(self, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()

@@ -2,8 +2,9 @@
 
 The head is the largest single weight a decode step reads (SmolLM2-135M: 57 MB in bf16 against
 ~60 MB for all the INT4 projections), and a GGUF model brings it as Q8_0 blocks: held as they are,
-it costs half the bytes of a bf16 copy. The model keeps its dense copy for the embedding lookups
-and asks this object for logits; which kernel computes them is decided here, at load:
+it costs half the bytes of a bf16 copy. The model asks this object for logits, and on the native
+kernel a tied model asks it for its token embeddings too (:meth:`Int8Head.rows`: no dense table at
+all); which kernel computes them is decided here, at load:
 
 * ``native``: the CPU's INT8 matmul (llmd.kernels.quant_cpu), activations quantised to int8 per
   block of 32 as llama.cpp does (measured on the head of SmolLM2-135M, 2-core Zen 3, one row: 1.7
@@ -73,6 +74,15 @@ class Int8Head:
     @property
     def nbytes(self) -> int:
         return self.matmul.nbytes
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ``ids``, dequantised to fp32 ``[len(ids), hidden]``: a tied model's token
+        embeddings, read from the head's blocks (LlamaForCausalLM.embed)."""
+        m = self.matmul
+        if isinstance(m, quant_cpu.PackedWeight):
+            return m.rows(ids)
+        qweight, scales = m.weight.tensors
+        return qweight[ids].float() * scales[ids].float().repeat_interleave(self.group_size, dim=1)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.matmul(hidden)

@@ -66,7 +66,8 @@ def exact_path(model) -> None:
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)):
             module.use("reference")
-    model.head_q8 = model.decode_step = None
+    model.use_dense_head()
+    model.decode_step = None
 
 
 @pytest.mark.parametrize("name", PARAMS)

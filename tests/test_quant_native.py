@@ -15,6 +15,8 @@ from llmd.kernels import native
 from llmd.kernels.cpu_profile import has_fast_bf16
 from llmd.daemon.quantization import HEAD_Q8, PROJECTIONS, QuantConfig, weight_memory
 from llmd.quant.int4 import Int4Linear
+from llmd.quant.int8 import Int8Weight, dequantize_int8
+from llmd.quant.int8_head import Int8Head
 
 pytestmark = pytest.mark.slow
 
@@ -68,9 +70,11 @@ def test_the_q4_1_import_is_exact(served_fp32, dense_fp32, prompts, reference) -
     held blocks give the dequantised model's logits: identical greedy tokens, teacher-forced over
     prompt + the reference's 32 tokens (one forward instead of 32 through the slow path)."""
     assert all(isinstance(p, Int4Linear) and p.group_size == 32 for p in projections(served_fp32))
-    head = served_fp32.head_q8
+    head, table = served_fp32.head_q8, served_fp32.model.embed_tokens.weight
+    assert served_fp32.embeds_from_head and table.numel() == 0  # the tied Q8_0 table: no dense copy
     try:
         served_fp32.head_q8 = served_fp32.decode_step = None
+        table.data = dequantize_int8(head.weight())  # the dense head, and the embeddings from it
         for p in projections(served_fp32):
             p.use("reference")
         exact_gen, dense_gen = Generator(served_fp32), Generator(dense_fp32)
@@ -82,7 +86,23 @@ def test_the_q4_1_import_is_exact(served_fp32, dense_fp32, prompts, reference) -
         for p in projections(served_fp32):
             p.prepare(torch.float32)
         served_fp32.head_q8 = head
+        table.data = table.new_empty(0, table.shape[1])
         served_fp32.prepare_decode()
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_a_tied_embedding_reads_the_heads_rows_exactly(group_size: int) -> None:
+    """Rows read from the head's native blocks (the embedding of a tied Q8_0 model) are the
+    dequantised table's rows, bit for bit: every row of a table whose row count is not a multiple of
+    the layout's 8, in any order, repeated."""
+    if native.library() is None:
+        pytest.skip("the native kernels do not build here")
+    g = torch.Generator().manual_seed(0)
+    q8 = Int8Weight(torch.randint(-127, 128, (13, 128), dtype=torch.int8, generator=g),
+                    (torch.rand(13, 128 // group_size, generator=g) / 50).half(), group_size)
+    head = Int8Head(q8, "native", torch.device("cpu"), torch.float32)
+    ids = torch.tensor([12, 0, 7, 8, 12, 3, *range(13)])
+    assert torch.equal(head.rows(ids), dequantize_int8(q8)[ids])
 
 
 def agreement(model, dense, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:

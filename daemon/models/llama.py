@@ -202,17 +202,18 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Run a flat batch of ``T`` tokens; returns final hidden states ``[T, hidden_size]`` (in the
         model dtype; fp32 where the native decode step, once prepared, runs the one-token rows)."""
-        weight = self.model.embed_tokens.weight
         step = self.decode_step
         if step is not None and 1 in meta.query_lens:
             if not step.bound_to(kv_caches):
                 step.bind_cache(kv_caches)
             if meta.max_query_len == 1:
-                return step(step.embed(input_ids, weight), positions, meta.slot_mapping, meta.block_tables,
-                            meta.seq_lens_tensor, meta.max_seq_len)
+                x = self.embed(input_ids) if self.embeds_from_head else step.embed(input_ids,
+                                                                                   self.model.embed_tokens.weight)
+                return step(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
+                            meta.max_seq_len)
             if step.takes_mixed_steps:
-                return self._forward_mixed(F.embedding(input_ids, weight), positions, kv_caches, meta)
-        return self._forward_layers(F.embedding(input_ids, weight), positions, kv_caches, meta)
+                return self._forward_mixed(self.embed(input_ids), positions, kv_caches, meta)
+        return self._forward_layers(self.embed(input_ids), positions, kv_caches, meta)
 
     def _forward_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -291,18 +292,52 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(module, "cpu_path") and hasattr(module, "use"):  # llmd.quant's INT4/INT8 layers
                 module.use("triton")
         if self.head_q8 is not None and self.head_q8.kernel == "native":  # the Q8_0 head, as a GPU holds it
-            self.head_q8 = Int8Head(self.head_q8.weight(), "triton", self.model.embed_tokens.weight.device,
-                                    self.dtype)
+            table, blocks = self.model.embed_tokens.weight, self.head_q8.weight()
+            if self.embeds_from_head:  # the dense table, as prepare_head() keeps it on a GPU
+                table.data = dequantize_int8(blocks).to(table.dtype)
+            self.head_q8 = Int8Head(blocks, "triton", table.device, self.dtype)
         self.prepare_decode()
 
     def prepare_head(self) -> None:
         """Once loaded: bind the head's Q8_0 blocks to the kernel for the device
         (:meth:`Int8Head.for_device`: native INT8 on the CPU where the library builds, Triton INT8 on
-        a GPU), whatever the model dtype. The dense copy stays for the embedding lookups, and is the
-        head too where neither kernel runs."""
+        a GPU), whatever the model dtype. On the native kernel a tied embedding is then read from
+        those blocks too (:meth:`embed`) and has no dense copy (a Llama 3.2 1B's table: 501 MiB in
+        bf16 against the blocks' 266). Elsewhere the dense table is filled from the blocks: the
+        embedding lookups (the Triton decode step reads it into its bound buffer), and the head
+        where neither kernel runs."""
         q8, self._head_blocks = self._head_blocks, None
-        if q8 is not None:
-            self.head_q8 = Int8Head.for_device(q8, self.model.embed_tokens.weight.device, self.dtype)
+        if q8 is None:
+            return
+        table = self.model.embed_tokens.weight
+        self.head_q8 = Int8Head.for_device(q8, table.device, self.dtype)
+        if not self.config.tie_word_embeddings:
+            return
+        if self.embeds_from_head:
+            table.data = table.new_empty(0, table.shape[1])  # frees the table (never written: never resident)
+        else:
+            table.data.copy_(dequantize_int8(q8))
+
+    def use_dense_head(self) -> None:
+        """Unbind the Q8_0 head's kernel: the head, and a tied table read from it, become the dense
+        weights holding its values exactly (the exact path the quality tests hold the kernels to)."""
+        if self.head_q8 is None:
+            return
+        if self.embeds_from_head:
+            table = self.model.embed_tokens.weight
+            table.data = dequantize_int8(self.head_q8.weight()).to(table.dtype)
+        self.head_q8 = None
+
+    @property
+    def embeds_from_head(self) -> bool:
+        """The token embeddings are the native head's INT8 rows (a tied GGUF Q8_0 table, prepare_head)."""
+        return self.head_q8 is not None and self.head_q8.kernel == "native" and self.config.tie_word_embeddings
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids``, in the model dtype."""
+        if self.embeds_from_head:
+            return self.head_q8.rows(input_ids).to(self.dtype)
+        return F.embedding(input_ids, self.model.embed_tokens.weight)
 
     def prepare_decode(self, lib: ctypes.CDLL | None = None) -> None:
         """Once loaded (after the projections' prepare()): run pure decode steps through a fused
@@ -450,6 +485,10 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: some checkpoints store the copy anyway
             if isinstance(tensor, Int8Weight) and name == self.head_name:
                 self._head_blocks = tensor
+                if self.config.tie_word_embeddings:  # the table is filled, or dropped, by prepare_head()
+                    self._check_shape(name, tensor, tuple(self.model.embed_tokens.weight.shape))
+                    missing[name] -= 1
+                    continue
                 tensor = dequantize_int8(tensor)
             target_name, shard = name, None
             if m := _FUSED_RE.match(name):
