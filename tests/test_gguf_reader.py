@@ -170,3 +170,21 @@ def test_a_tensor_listed_twice_is_refused(tmp_path: Path) -> None:
     path.write_bytes(_header(n_tensors=2) + info + info + bytes(256))
     with pytest.raises(GGUFFormatError, match="listed twice"):
         GGUFReader(path)
+
+
+def test_metadata_of_the_wrong_type_is_a_clear_error(tmp_path: Path) -> None:
+    """A count given as a string (a garbled or hand-made file) is InvalidModelError, not a crash."""
+    from llmd.daemon.weights.gguf_file import GGUFModelFile
+    from llmd.errors import InvalidModelError
+
+    w = gguf.GGUFWriter(str(tmp_path / "typed.gguf"), "llama")
+    for key in ("embedding_length", "attention.head_count", "feed_forward_length"):
+        w.add_uint32(f"llama.{key}", 64)
+    w.add_string("llama.block_count", "two")
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InvalidModelError, match="wrong type"):
+        GGUFModelFile(tmp_path / "typed.gguf").config()

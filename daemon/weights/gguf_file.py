@@ -109,7 +109,19 @@ class GGUFModelFile:
         return arch
 
     def config(self) -> ModelConfig:
-        """The model config from the GGUF metadata."""
+        """The model config from the GGUF metadata.
+
+        Raises:
+            InvalidModelError: a field is missing, or of the wrong type (a string where a count goes).
+            UnsupportedModelError: an architecture or RoPE scaling llmd does not run.
+        """
+        try:
+            return self._config()
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidModelError(f"{self.path}: a GGUF metadata value has the wrong type ({e}); download or "
+                                    "convert it again") from None
+
+    def _config(self) -> ModelConfig:
         arch = self.architecture
         model_type = _GGUF_ARCHS[arch]
 
