@@ -1,7 +1,7 @@
 """Tokenizers and prompts: load the model's tokenizer, apply its chat template, find stop tokens.
 
 For GGUF files transformers builds the tokenizer from the metadata, which takes seconds; the result
-is cached under ``$XDG_CACHE_HOME/llmd/tokenizers`` keyed by the file's path, size and mtime.
+is cached under ``$XDG_CACHE_HOME/llmd/tokenizers`` keyed by the file's real path, size and mtime.
 """
 
 from __future__ import annotations
@@ -46,8 +46,11 @@ def load_tokenizer(source: ModelSource) -> Any:
         except (OSError, ValueError, TypeError) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidModelError(f"{source.path} has no usable tokenizer: {reason}") from None
-    st = source.path.stat()
-    key = hashlib.sha256(f"{source.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    # keyed by the file itself, not the name it was found by: the HF cache's snapshot links and any
+    # other link to one file share one build (it holds the GIL for seconds: a daemon's other models pause)
+    real = source.path.resolve()
+    st = real.stat()
+    key = hashlib.sha256(f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
     cached = _cache_dir() / key
     if (cached / "tokenizer_config.json").is_file():
         from transformers import PreTrainedTokenizerFast

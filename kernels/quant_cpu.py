@@ -85,7 +85,7 @@ def repack_q4x8(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     # k = 32 b + 16 h + 4 j + t  ->  [row group, b, j, i, t, h]
     q = q.reshape(-1, 8, k // 32, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
     w = (q[..., 0] | (q[..., 1] << 4)).contiguous().reshape(-1, k // 32, 128)
-    return w, _group_scales(scales), _group_scales(mins)
+    return w, group_scales(scales), group_scales(mins)
 
 
 def unpack_q4x8(w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int
@@ -104,7 +104,7 @@ def repack_q8x8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     input ``4c + t``; scales ``[N/8, K/g, 8]``. Lossless (:func:`unpack_q8x8`)."""
     n, k = qweight.shape
     q = _pad_rows(qweight).reshape(-1, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [G, b, c, i, t]
-    return q.contiguous().reshape(-1, k // 32, 256).view(torch.uint8), _group_scales(_pad_rows(scales))
+    return q.contiguous().reshape(-1, k // 32, 256).view(torch.uint8), group_scales(_pad_rows(scales))
 
 
 def unpack_q8x8(w: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +119,8 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t, t.new_zeros(pad, *t.shape[1:]))) if pad else t
 
 
-def _group_scales(s: torch.Tensor) -> torch.Tensor:
+def group_scales(s: torch.Tensor) -> torch.Tensor:
+    """Per-row scales ``[N, K/g]`` (N a multiple of 8) -> the native layout's ``[N/8, K/g, 8]``."""
     return s.reshape(-1, 8, s.shape[1]).transpose(1, 2).contiguous()  # [N/8, K/g, 8]
 
 

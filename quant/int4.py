@@ -87,7 +87,9 @@ class Int4Linear(QuantizedLinear):
         self.in_features, self.out_features = in_features, out_features
         self.group_size, self.symmetric = group_size, symmetric
         groups = in_features // group_size
-        self.register_buffer("packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        # (empty: a layer loaded from GGUF blocks straight into the native layout never writes it;
+        # load_weights refuses a checkpoint that leaves rows unloaded)
+        self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(out_features, groups, dtype=torch.float16))
         self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -97,10 +99,19 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("cpu_packed", None)
         self.register_buffer("cpu_scales_zeros", None)
         self._matmul = self._reference_matmul
+        # GGUF Q4 blocks given to load_rows, by first row, kept as the file has them until prepare()
+        # (llmd.quant.gguf_import.Q4Blocks): the native layout is a byte permutation of them
+        self._staged: list[tuple[int, Any]] = []
 
     def load_rows(self, start: int, weight: torch.Tensor | Int4Weight) -> None:
         """Fill output rows ``start:start + len(weight)``: an :class:`Int4Weight` with our group size
-        is copied as it is (lossless); anything else is (re)quantised first."""
+        is copied as it is (lossless); GGUF Q4 blocks (``Q4Blocks``) are kept as they are until
+        :meth:`prepare`; anything else is (re)quantised first."""
+        if hasattr(weight, "native_parts"):  # llmd.quant.gguf_import.Q4Blocks
+            if weight.group_size == self.group_size and start % 8 == 0 and weight.shape[0] % 8 == 0:
+                self._staged.append((start, weight))
+                return
+            weight = weight.to_int4()
         if isinstance(weight, Int4Weight) and weight.group_size != self.group_size:
             weight = dequantize_int4(weight)
         if not isinstance(weight, Int4Weight):
@@ -110,8 +121,25 @@ class Int4Linear(QuantizedLinear):
         self.scales[rows].copy_(weight.scales)
         self.mins[rows].copy_(weight.mins)
 
+    def _flush_staged(self) -> None:
+        """Staged GGUF blocks into llmd's layout (a layer not bound to the native kernels)."""
+        staged, self._staged = self._staged, []
+        for start, blocks in staged:
+            self.load_rows(start, blocks.to_int4())
+
+    def _native_from_staged(self) -> quant_cpu.PackedWeight | None:
+        """The native kernels' weight straight from staged GGUF blocks, if they are every row."""
+        if sum(blocks.shape[0] for _, blocks in self._staged) != self.out_features:
+            return None
+        parts = [blocks.native_parts() for _, blocks in sorted(self._staged, key=lambda s: s[0])]
+        self._staged = []
+        w, scales, mins = (torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
+        return quant_cpu.PackedWeight(quant_cpu.Q4X8, self.out_features, self.in_features, self.group_size,
+                                      w, scales, mins)
+
     def weight(self) -> Int4Weight:
         """The weight in llmd.quant's layout (unpacked again from the native kernels' if need be)."""
+        self._flush_staged()
         if self.cpu_packed is not None:
             raise RuntimeError("this layer's weight was converted to torch's CPU int4 layout by prepare()")
         if self.native is not None:
@@ -130,10 +158,11 @@ class Int4Linear(QuantizedLinear):
         """Hold the weight for the CPU matmul ``path`` and bind it (:meth:`prepare` picks it; tests
         force one). ``dtype``: the activations', for ``packed``. ``triton``: the Triton kernels on
         our layout, as on a GPU (on the CPU only under TRITON_INTERPRET=1: tests, benchmarks)."""
-        qw = self.weight()
+        native = self._native_from_staged() if path == "native" else None
+        qw = None if native is not None else self.weight()
         held = {"native": None, "packed": None, "reference": qw, "triton": qw}
         if path == "native":
-            self.native = quant_cpu.PackedWeight.from_int4(qw)
+            self.native = native or quant_cpu.PackedWeight.from_int4(qw)
             self._matmul = self.native
         elif path == "packed":
             self.native = None

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from llmd.quant.common import pack_int4, unpack_int4
-from llmd.quant.gguf_import import import_q4_0, import_q4_1, import_q8_0
+from llmd.kernels import quant_cpu
+from llmd.quant.gguf_import import Q4Blocks, import_q4_0, import_q4_1, import_q8_0
 from llmd.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 from llmd.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
 
@@ -71,6 +72,32 @@ def test_gguf_blocks_import_bit_exactly(qtype, importer, dequant) -> None:
     ours = dequant(importer(raw)).numpy()
     ref = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
     assert np.array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_gguf_q4_blocks_become_the_native_layout_by_bytes_alone(qtype) -> None:
+    """GGUF Q4 blocks straight into the native kernels' layout (a byte permutation) equal the two
+    repackings they replace (into llmd's layout, then the native one), byte for byte; and a layer
+    filled with them in shards (as a fused qkv is) holds the same weight on every path."""
+    w = weight(n=24, k=320).numpy()
+    raw = gguf.quants.quantize(w, qtype)
+    blocks = Q4Blocks.of(raw, qtype.name)
+    via_llmd = quant_cpu.PackedWeight.from_int4(blocks.to_int4())
+    for ours, theirs in zip(blocks.native_parts(), (via_llmd.w, via_llmd.scales, via_llmd.mins), strict=True):
+        assert torch.equal(ours, theirs)
+    exact = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(w.shape))
+    for path in ("native", "reference"):
+        layer = Int4Linear(320, 24, 32)
+        layer.load_rows(16, Q4Blocks.of(raw[16:], qtype.name))  # shards in any order
+        layer.load_rows(0, Q4Blocks.of(raw[:16], qtype.name))
+        if path == "native" and quant_cpu.cpu_path(torch.float32, 320) != "native":
+            continue
+        layer.use(path, torch.float32)
+        assert torch.equal(dequantize_int4(layer.weight()), exact), path
+    odd = Int4Linear(320, 24, 32)  # rows not in whole groups of 8: converted at once, still exact
+    odd.load_rows(0, Q4Blocks.of(raw[:5], qtype.name))
+    odd.load_rows(5, Q4Blocks.of(raw[5:], qtype.name))
+    assert torch.equal(dequantize_int4(odd.weight()), exact)
 
 
 def test_default_model_blocks_import_bit_exactly(default_model_path) -> None:

@@ -70,11 +70,11 @@ def test_the_q4_1_import_is_exact(served_fp32, dense_fp32, prompts, reference) -
     held blocks give the dequantised model's logits: identical greedy tokens, teacher-forced over
     prompt + the reference's 32 tokens (one forward instead of 32 through the slow path)."""
     assert all(isinstance(p, Int4Linear) and p.group_size == 32 for p in projections(served_fp32))
-    head, table = served_fp32.head_q8, served_fp32.model.embed_tokens.weight
-    assert served_fp32.embeds_from_head and table.numel() == 0  # the tied Q8_0 table: no dense copy
+    head, table, in_head = served_fp32.head_q8, served_fp32.model.embed_tokens.weight, served_fp32.embeds_from_head
+    assert in_head == (head is not None) and in_head == (table.numel() == 0)  # the tied Q8_0 table: no dense copy
     try:
-        served_fp32.head_q8 = served_fp32.decode_step = None
-        table.data = dequantize_int8(head.weight())  # the dense head, and the embeddings from it
+        served_fp32.use_dense_head()  # the dense head, and the embeddings read from it
+        served_fp32.decode_step = None
         for p in projections(served_fp32):
             p.use("reference")
         exact_gen, dense_gen = Generator(served_fp32), Generator(dense_fp32)
@@ -86,7 +86,8 @@ def test_the_q4_1_import_is_exact(served_fp32, dense_fp32, prompts, reference) -
         for p in projections(served_fp32):
             p.prepare(torch.float32)
         served_fp32.head_q8 = head
-        table.data = table.new_empty(0, table.shape[1])
+        if in_head:
+            table.data = table.new_empty(0, table.shape[1])
         served_fp32.prepare_decode()
 
 

@@ -22,6 +22,7 @@ import torch
 from llmd.daemon.model_config import ModelConfig, RopeConfig, supported_models_line
 from llmd.daemon.weights.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo
 from llmd.errors import CorruptModelError, InvalidModelError, UnsupportedModelError, UnsupportedTensorTypeError
+from llmd.quant.gguf_import import Q4Blocks
 from llmd.quant.int4 import Int4Weight
 from llmd.quant.int8 import Int8Weight
 
@@ -66,8 +67,8 @@ def unpermute_qk(weight: Any, num_heads: int) -> Any:
     return weight.reshape(num_heads, half_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _unpermute(data: torch.Tensor | Int4Weight | Int8Weight, num_heads: int
-               ) -> torch.Tensor | Int4Weight | Int8Weight:
+def _unpermute(data: torch.Tensor | Int4Weight | Int8Weight | Q4Blocks, num_heads: int
+               ) -> torch.Tensor | Int4Weight | Int8Weight | Q4Blocks:
     """:func:`unpermute_qk` on a dense tensor, or on each row-indexed part of quantised blocks
     (rows are quantised independently, so moving whole rows is exact)."""
     if isinstance(data, Int4Weight):
@@ -76,6 +77,8 @@ def _unpermute(data: torch.Tensor | Int4Weight | Int8Weight, num_heads: int
     if isinstance(data, Int8Weight):
         return Int8Weight(*(unpermute_qk(x, num_heads).contiguous() for x in (data.qweight, data.scales)),
                           data.group_size)
+    if isinstance(data, Q4Blocks):
+        return Q4Blocks(unpermute_qk(data.raw, num_heads).contiguous(), data.kind)
     return unpermute_qk(data, num_heads).contiguous()
 
 
@@ -205,10 +208,12 @@ class GGUFModelFile:
     def iter_tensors(self, config: ModelConfig, blocks: Collection[str] = ()
                      ) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
         """Yield ``(hf_name, weight)`` for every weight, un-permuted: an fp32 tensor, or for the
-        names in ``blocks`` (Q4_0/Q4_1/Q8_0 tensors only) the blocks as llmd INT4/INT8 weights."""
-        from llmd.quant.gguf_import import import_q4_0, import_q4_1, import_q8_0
+        names in ``blocks`` the blocks: Q8_0 as an llmd INT8 weight, Q4_0/Q4_1 as they are
+        (``Q4Blocks``, which an INT4 layer takes)."""
+        from llmd.quant.gguf_import import import_q8_0
 
-        importers = {"Q4_0": import_q4_0, "Q4_1": import_q4_1, "Q8_0": import_q8_0}
+        importers = {"Q4_0": lambda raw: Q4Blocks.of(raw, "Q4_0"), "Q4_1": lambda raw: Q4Blocks.of(raw, "Q4_1"),
+                     "Q8_0": import_q8_0}
         self.check_tensor_types()
         permute = self.architecture == "llama"
         for t in self.reader.tensors:
@@ -216,7 +221,7 @@ class GGUFModelFile:
             if name is None:
                 continue  # e.g. rope_freqs, already folded into the config
             if name in blocks:
-                data = importers[t.type_name](self.reader.data(t))
+                data = importers[t.type_name](self.reader.read(t))
             else:
                 data = torch.from_numpy(np.require(self._dequantize(t), requirements=["C", "W"]))
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
