@@ -74,7 +74,8 @@ class Int4Linear(QuantizedLinear):
     path :func:`llmd.kernels.quant_cpu.cpu_path` picks: ``native`` (our kernels, the weight repacked
     for them), ``packed`` (without our library, bf16 on a CPU with native bf16: torch's int4 layout
     and kernel) or ``reference`` (dequantise, then multiply; also before ``prepare``). One layout
-    is held: ours until ``prepare``, then the chosen kernel's.
+    is held: ours (or a GGUF file's Q4 blocks as they came) until ``prepare``, then the chosen
+    kernel's; GGUF blocks become the native layout by a byte permutation, never passing through ours.
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool = False,
