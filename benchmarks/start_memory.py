@@ -14,7 +14,8 @@ so both find it in the page cache: a warm start, what a desktop sees after the f
   16x1k    RSS after 16 concurrent requests of 1,000 prompt tokens and 16 new tokens
 llmd only: the idle unload (`--idle-unload`, a few seconds here), RSS after it, and the reload's time
 (a one-token request after the unload) against `answer`.
-llama-server gets `-c` = llmd's KV capacity (its info's kv_cache_tokens) and `-np 16`.
+llama-server gets `-np 16` and `-c` = llmd's KV capacity (its info's kv_cache_tokens), or what 16 x 1k
+needs where that is more (marked *).
 Synthetic files are written once into ~/.cache/llmd-bench (0.5b: 0.3 GB, 1b: 0.7 GB, 3b: 1.7 GB).
 """
 
@@ -237,6 +238,11 @@ def measure_llama_server(binary: str, model: Path, ctx: int) -> dict[str, Any]:
     return out
 
 
+def row(r: dict[str, Any], who: str) -> None:
+    print(f"  {who:13}{r['up']:7.2f}{r['answer']:10.2f}{r['peak']:10.0f}{r['idle']:10.0f}{r['16x1k']:11.0f}",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["default", "0.5b", "1b", "3b"],
@@ -248,23 +254,24 @@ def main() -> None:
     from llmd.daemon.model_source import default_model_path
 
     print(cpu_profile.machine_line())
-    rows = []
     for name in args.models:
         model = default_model_path() if name == "default" else synthetic_gguf(name)
         size_mib = model.stat().st_size / 2**20
         read_through(model)
         with tempfile.TemporaryDirectory() as tmp:
             ours = measure_llmd(model, Path(tmp), args.idle_unload)
+        print(f"\n{name}: {model.name}, {size_mib:.0f} MiB; llmd's KV capacity {ours['kv_tokens']} tokens")
+        print(f"  {'':13}{'up s':>7}{'answer s':>10}{'peak MiB':>10}{'idle MiB':>10}{'16x1k MiB':>11}")
+        row(ours, "llmd")
         theirs = None
         if args.llama_server and not args.no_llama_server:
-            theirs = measure_llama_server(args.llama_server, model, ours["kv_tokens"])
-        rows.append((name, size_mib, ours, theirs))
-        print(f"\n{name}: {model.name}, {size_mib:.0f} MiB; KV capacity {ours['kv_tokens']} tokens")
-        print(f"  {'':13}{'up s':>7}{'answer s':>10}{'peak MiB':>10}{'idle MiB':>10}{'16x1k MiB':>11}")
-        for who, r in (("llmd", ours), ("llama-server", theirs)):
-            if r is not None:
-                print(f"  {who:13}{r['up']:7.2f}{r['answer']:10.2f}{r['peak']:10.0f}{r['idle']:10.0f}"
-                      f"{r['16x1k']:11.0f}")
+            # the same capacity, but never less than the 16 requests need (llama-server splits -c among its
+            # slots and refuses a prompt longer than one; llmd queues what its pool cannot hold yet)
+            ctx = max(ours["kv_tokens"], STREAMS * (PROMPT_TOKENS + NEW_TOKENS + 8))
+            theirs = measure_llama_server(args.llama_server, model, ctx)
+            row(theirs, f"llama-server{'*' if ctx > ours['kv_tokens'] else ''}")
+            if ctx > ours["kv_tokens"]:
+                print(f"  * -c {ctx}: llmd's default pool holds fewer tokens than 16 x 1k")
         print(f"  llmd idle unload: RSS {ours['unloaded']:.0f} MiB after it; reload {ours['reload']:.2f} s "
               f"({ours['reload'] / ours['answer']:.2f}x the start's answer), RSS {ours['after_reload']:.0f} MiB")
         if theirs is not None:

@@ -6,17 +6,18 @@ Block layouts (32 weights per block, little endian):
   Q4_1  20 bytes: d (fp16), m (fp16), 16 bytes of nibbles     w = d * q + m
 In a Q4 block byte ``j`` holds weight ``j`` in its low nibble and weight ``j + 16`` in its high
 nibble; llmd packs neighbours (``2i``, ``2i + 1``), so the nibbles are re-packed (a permutation,
-lossless); the fp16 scales and mins are kept as they are.
+lossless); the fp16 scales and mins are kept as they are. The native CPU kernels pair nibbles the
+way GGUF does, so a layer bound to them takes the blocks as they are (:class:`Q4Blocks`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from llmd.kernels import quant_cpu
-
 from llmd.quant.int4 import Int4Weight
 from llmd.quant.int8 import Int8Weight
 
