@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from llmd.kernels import cpu_profile
-from llmd.kernels.int_layout import Int4Tensors, Int8Tensors, pack_int4, unpack_int4
+from llmd.kernels.int_layout import Int4Tensors, Int8Tensors, dequantize_int8, pack_int4, unpack_int4
 from llmd.kernels.native import library
 
 QK = 32  # activations are quantised per block of this many inputs
@@ -169,8 +169,7 @@ class PackedWeight:
             raise ValueError("rows() reads INT8 (Q8X8) weights")
         group, row = ids // 8, ids % 8
         q = self.w.view(torch.int8).view(self.w.shape[0], -1, 8, 8, 4)[group, :, :, row, :]  # [n, k/32, 8, 4]
-        scales = self.scales[group, :, row].float().repeat_interleave(self.group_size, dim=1)  # [n, k]
-        return q.reshape(ids.shape[0], self.k).float() * scales
+        return dequantize_int8(q.reshape(ids.shape[0], self.k), self.scales[group, :, row], self.group_size)
 
     def __call__(self, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from llmd.kernels import quant_cpu
+from llmd.kernels import int_layout, quant_cpu
 from llmd.quant.int8 import Int8Weight
 
 if TYPE_CHECKING:  # triton is imported only where the Triton head is built
@@ -82,7 +82,7 @@ class Int8Head:
         if isinstance(m, quant_cpu.PackedWeight):
             return m.rows(ids)
         qweight, scales = m.weight.tensors
-        return qweight[ids].float() * scales[ids].float().repeat_interleave(self.group_size, dim=1)
+        return int_layout.dequantize_int8(qweight[ids], scales[ids], self.group_size)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.matmul(hidden)
