@@ -6,11 +6,13 @@
  * seq_lens [B] (int32, the query token included), out [B, H, D] fp32. A key is visible when
  * k_pos >= seq_len - window (window 0: no sliding window).
  *
- * One task per (sequence, KV head, cell of keys): the GQA group's query heads share each key and value read
- * (bf16 and int8 rows are converted to fp32 once per task). Per head three passes (scores eight keys at a time,
- * softmax, a weighted sum of V accumulated in registers) instead of an online softmax: the
- * rescaling an online softmax needs per key costs more than keeping the scores (one float per
- * key and head). Matches llmd.kernels.attention_ref.decode_attention within fp32 rounding.
+ * One task per (sequence, KV head, cell of keys), in three passes over its queries (the GQA group's
+ * query heads, for every row of a span): the scores of every query, K read KEY_CHUNK rows at a time;
+ * each query's softmax; every query's weighted sum of V, read the same way. A chunk of rows is read
+ * from the cache once (bf16 and int8 rows converted to fp32 then) and stays in L1 while every query
+ * of the task uses it. Keeping the scores (one float per key and query) costs less than the
+ * rescaling an online softmax needs per key. Scores take eight keys at a time (one FMA chain per
+ * key, reduced together). Matches llmd.kernels.attention_ref.decode_attention within fp32 rounding.
  *
  * Batch invariance: a row's result is the same bits whatever else is in the batch. A context's keys
  * are cut into cells at multiples of a cell size that depends on that context's length alone
@@ -22,9 +24,9 @@
  *
  * Rows may share a context: a span of draft tokens being verified (speculative decoding) comes as
  * consecutive rows of one sequence, each one position further (llmd_attention_spans finds them).
- * A span's rows share their tasks (a cell and a KV head): each key and value is read (and widened) once for all
- * of them, and each row attends to the keys up to its own position, so verifying k drafts costs
- * about one row's cache reads, not k + 1.
+ * A span's rows share their tasks (a cell and a KV head): each key and value is read (and widened)
+ * once for all of them, and each row attends to the keys up to its own position, so verifying k
+ * drafts costs about one row's cache reads, not k + 1 (its arithmetic is still k + 1 rows').
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,62 +44,82 @@
  * hardware prefetcher alone stalls at every block boundary. */
 #define PREFETCH_AHEAD 8
 
-/* dot(a, k), both fp32 */
-static inline float dot_k(const float *a, const float *k, int64_t n) {
-    int64_t i = 0;
-    float s = 0.0f;
+/* One lane of a score's products: a fused multiply-add where the build has FMA, as the vector path's
+ * lanes are; a multiply and an add in a portable build (whose every score takes score_one). */
 #if defined(__AVX2__) && defined(__FMA__)
-    /* two accumulators: a head is 64-128 wide, so one chain of dependent FMAs would be latency-bound */
-    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(k + i), acc);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(k + i + 8), acc2);
-    }
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(k + i), acc);
-    s = llmd_hsum8(_mm256_add_ps(acc, acc2));
+#define LANE_FMA(a, b, c) fmaf((a), (b), (c))
+#else
+#define LANE_FMA(a, b, c) ((a) * (b) + (c))
 #endif
-    for (; i < n; i++) s += a[i] * k[i];
-    return s;
+
+/* dot(q, k) for a head of D values, in the order every path uses: lane l (of 8) accumulates the
+ * products at d = l, l + 8, l + 16, ... in turn, and the lanes are added as ((l0 + l1) + (l2 + l3)) +
+ * ((l4 + l5) + (l6 + l7)), what scores_for's horizontal adds do. A head of no multiple of 8 is one
+ * plain sum: every key of it takes this path. */
+static inline float score_one(const float *q, const float *k, int64_t D) {
+    if (D % 8) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
+        return s;
+    }
+    float l[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t c = 0; c < D; c += 8)
+        for (int j = 0; j < 8; j++) l[j] = LANE_FMA(q[c + j], k[c + j], l[j]);
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-/* s[i] = scale * dot(qh, rows[i]) for n rows of D. Four keys at a time, their partial sums reduced
- * together (one 4x4 transpose) instead of a horizontal sum per key, in exactly dot_k's order of
- * additions, so the scores do not depend on which path computed them. */
-static void scores_for(const float *qh, const float *const *rows, int64_t n, int64_t D, float scale, float *s) {
-    int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (D % 8 == 0) {
-        for (; i + 4 <= n; i += 4) {
-            __m128 h[4];
-            for (int j = 0; j < 4; j++) {
-                const float *k = rows[i + j];
-                __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-                int64_t d = 0;
-                for (; d + 16 <= D; d += 16) {
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), acc);
-                    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(k + d + 8), acc2);
-                }
-                for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), acc);
-                acc = _mm256_add_ps(acc, acc2);
-                h[j] = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            }
-            _MM_TRANSPOSE4_PS(h[0], h[1], h[2], h[3]); /* h[l] = lane l of the four keys */
-            const __m128 sums = _mm_add_ps(_mm_add_ps(h[0], h[2]), _mm_add_ps(h[1], h[3]));
-            _mm_storeu_ps(s + i, _mm_mul_ps(sums, _mm_set1_ps(scale)));
-        }
+/* The scores of eight keys, as score_one adds them: one accumulator per key (eight independent FMA
+ * chains, the query chunk loaded once for all eight), reduced by three rounds of horizontal adds
+ * into one vector of the eight sums. Always inlined with a constant D where the head size is a
+ * common one, so the loop over the head unrolls. */
+static inline __attribute__((always_inline)) __m256 scores8(const float *q, const float *const *rows, const int64_t D) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + d), acc[j]);
     }
-#endif
-    for (; i < n; i++) s[i] = dot_k(qh, rows[i], D) * scale;
+    /* hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] */
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 v = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    /* u: keys 0-3's (l0+l1)+(l2+l3) in its low half, their (l4+l5)+(l6+l7) in its high half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
 }
 
-/* out[0:D] = sum_i p[i] * rows[i][0:D]. Accumulates 64 columns at a time in registers over all rows,
- * storing once, instead of a load-add-store of the output per row. */
-static void weighted_sum(const float *const *rows, const float *p, int64_t n, int64_t D, float *out) {
+static inline __attribute__((always_inline)) int64_t scores_vec(const float *q, const float *const *rows, int64_t n,
+                                                                 const int64_t D, float scale, float *s) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(scores8(q, rows + i, D), vs));
+    return i;
+}
+#endif
+
+/* s[i] = scale * dot(q, rows[i]) for n rows of D (score_one's order of additions on every path, so a
+ * score is the same bits whichever keys share its group of eight). */
+static void scores_for(const float *q, const float *const *rows, int64_t n, int64_t D, float scale, float *s) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    switch (D) {
+    case 64: i = scores_vec(q, rows, n, 64, scale, s); break;
+    case 128: i = scores_vec(q, rows, n, 128, scale, s); break;
+    default: i = D % 8 ? 0 : scores_vec(q, rows, n, D, scale, s); break;
+    }
+#endif
+    for (; i < n; i++) s[i] = score_one(q, rows[i], D) * scale;
+}
+
+/* out[0:D] += sum_i p[i] * rows[i][0:D], the rows in order. Accumulates 64 columns at a time in
+ * registers over all rows, loading and storing out once, instead of a load-add-store per row. A
+ * context's keys come in chunks (KEY_CHUNK): continuing from the stored sums gives each column the
+ * same additions in the same order as one call over all of them. */
+static void weighted_sum_add(const float *const *rows, const float *p, int64_t n, int64_t D, float *out) {
     int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; d0 + 64 <= D; d0 += 64) {
         __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(out + d0 + 8 * j);
         for (int64_t i = 0; i < n; i++) {
             const __m256 w = _mm256_set1_ps(p[i]);
             for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[i] + d0 + 8 * j), acc[j]);
@@ -106,7 +128,7 @@ static void weighted_sum(const float *const *rows, const float *p, int64_t n, in
     }
 #endif
     for (; d0 < D; d0++) {
-        float acc = 0.0f;
+        float acc = out[d0];
         for (int64_t i = 0; i < n; i++) acc += p[i] * rows[i][d0];
         out[d0] = acc;
     }
@@ -196,6 +218,50 @@ int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D) {
     return B * H * LLMD_ATTN_MAX_CELLS * (D + 2);
 }
 
+/* Keys read per chunk of a cell: K or V rows of 64 values widened to fp32 are 8 KB, in L1 while
+ * every query of the task uses them. */
+#define KEY_CHUNK 32
+
+/* The first key row b sees within a cell that starts at `start` (a sliding window may start later). */
+static inline int64_t key_first(int64_t b, const int32_t *seq_lens, int64_t window, int64_t start) {
+    const int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+    return first > start ? first : start;
+}
+
+/* Where query head h of row b puts its output: the row's output itself when its context is one cell,
+ * else its part for `cell` (after the part's max and sum of exponentials). */
+static inline float *query_out(float *out, float *partial, int64_t b, int64_t h, int64_t H, int64_t D, int64_t cell,
+                               int64_t ncells) {
+    return ncells == 1 ? out + (b * H + h) * D : partial + ((b * H + h) * LLMD_ATTN_MAX_CELLS + cell) * (D + 2) + 2;
+}
+
+/* rows[i] = the fp32 row of KV head kvh at position c0 + i, for positions [c0, c1): the cache's own
+ * rows (fp32) or widened into `widened` (bf16, int8). Block by block: a block's rows are one table
+ * lookup. Prefetches the rows PREFETCH_AHEAD further on (before `end`): in this block or, mostly,
+ * the next one. */
+static void gather_rows(const void *cache, int kind, const int64_t *table, int64_t block_size, int64_t KVH,
+                        int64_t kvh, int64_t row_bytes, int64_t D, int64_t c0, int64_t c1, int64_t end,
+                        const float **rows, float *widened) {
+    const int64_t stride = KVH * row_bytes; /* from a token's row of this KV head to the next token's */
+#define ROW_BASE(blk) ((table[(blk)] * block_size * KVH + kvh) * row_bytes - (blk) * block_size * stride)
+    for (int64_t pos = c0; pos < c1;) {
+        const int64_t blk = pos / block_size, limit = (blk + 1) * block_size, stop = limit < c1 ? limit : c1;
+        const int64_t base = ROW_BASE(blk), next_base = limit < end ? ROW_BASE(blk + 1) : 0;
+        for (; pos < stop; pos++) {
+            const int64_t ahead = pos + PREFETCH_AHEAD;
+            if (ahead < end) { /* the cache is read once per step: mostly from DRAM */
+                const int64_t at = ahead < limit ? base + ahead * stride
+                                   : ahead < limit + block_size ? next_base + ahead * stride
+                                   : ROW_BASE(ahead / block_size) + ahead * stride;
+                for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch((const char *)cache + at + byte);
+            }
+            rows[pos - c0] = llmd_kv_load_row((const char *)cache + base + pos * stride, kind, D,
+                                              widened ? widened + (pos - c0) * D : NULL);
+        }
+    }
+#undef ROW_BASE
+}
+
 void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int cache_kind,
                                 const int64_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                                 const int64_t *spans, int64_t num_spans, int64_t H, int64_t KVH, int64_t D,
@@ -205,14 +271,17 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
     const int converted = cache_kind != LLMD_CACHE_F32;
     const int64_t B = spans[num_spans];
     const int64_t *cells = spans + B + 1, *ncells = spans + 2 * (B + 1), *tasks = spans + 3 * (B + 1);
-    int64_t max_n = 1; /* the largest cell: this thread's scratch */
+    int64_t max_n = 1, max_rows = 1; /* the largest cell and span: this thread's scratch */
     for (int64_t b = 0; b < B; b++) max_n = cell_keys(seq_lens[b]) > max_n ? cell_keys(seq_lens[b]) : max_n;
-    float *scores = malloc(sizeof(float) * (size_t)max_n);
-    /* K and V rows as fp32: the cache's own rows, or converted once for the whole group (bf16, int8) */
-    const float **k_rows = malloc(sizeof(float *) * (size_t)max_n);
-    const float **v_rows = malloc(sizeof(float *) * (size_t)max_n);
-    float *k_widened = converted ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
-    float *v_widened = converted ? malloc(sizeof(float) * (size_t)(max_n * D)) : NULL;
+    for (int64_t sp = 0; sp < num_spans; sp++)
+        max_rows = spans[sp + 1] - spans[sp] > max_rows ? spans[sp + 1] - spans[sp] : max_rows;
+    /* a task's queries (its span's rows x the KV head's query heads): their scores over the cell,
+     * and each one's max and sum of exponentials */
+    float *scores = malloc(sizeof(float) * (size_t)(max_rows * group * max_n));
+    float *stats = malloc(sizeof(float) * (size_t)(max_rows * group * 2));
+    /* one chunk of K or V rows as fp32: the cache's own rows, or converted (bf16, int8) */
+    const float **rows = malloc(sizeof(float *) * KEY_CHUNK);
+    float *widened = converted ? malloc(sizeof(float) * (size_t)(KEY_CHUNK * D)) : NULL;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks[num_spans]; task++) {
         int64_t span = 0; /* the span this task is in: the last whose first task is <= task */
@@ -229,56 +298,59 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
         const int64_t end = (cell + 1) * c < len ? (cell + 1) * c : len;
         const int64_t start = cell * c > from ? cell * c : (from < end ? from : end);
         const int64_t *table = block_tables + b0 * max_blocks;
-        for (int64_t pos = start; pos < end; pos++) {
-            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const int64_t offset = (slot * KVH + kvh) * row_bytes, i = pos - start;
-            if (pos + PREFETCH_AHEAD < end) { /* the cache is read once per step: mostly from DRAM */
-                const int64_t ahead = pos + PREFETCH_AHEAD;
-                const int64_t next = ((table[ahead / block_size] * block_size + ahead % block_size) * KVH + kvh)
-                                     * row_bytes;
-                for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-                    __builtin_prefetch((const char *)k_cache + next + byte);
-                    __builtin_prefetch((const char *)v_cache + next + byte);
+        const int64_t nq = (b1 - b0) * group; /* query (b, g) is number (b - b0) * group + g */
+        /* Three passes over the cell: every query's scores (K a chunk at a time), each query's
+         * softmax, every query's weighted sum of V (a chunk at a time). A chunk of rows is read
+         * from the cache and widened once for all the queries, and stays in L1 while they use it. */
+        for (int pass = 0; pass < 2; pass++) {
+            const void *cache = pass == 0 ? k_cache : v_cache;
+            if (pass == 1) {
+                for (int64_t qi = 0; qi < nq; qi++) {
+                    const int64_t b = b0 + qi / group, lo = key_first(b, seq_lens, window, start);
+                    const int64_t hi = seq_lens[b] < end ? seq_lens[b] : end;
+                    float *st = stats + 2 * qi;
+                    st[0] = -INFINITY;
+                    st[1] = hi > lo ? softmax_numerators(scores + qi * max_n + (lo - start), hi - lo, st) : 0.0f;
+                    float *o = query_out(out, partial, b, kvh * group + qi % group, H, D, cell, ncells[span]);
+                    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
                 }
             }
-            k_rows[i] = llmd_kv_load_row((const char *)k_cache + offset, cache_kind, D,
-                                         converted ? k_widened + i * D : NULL);
-            v_rows[i] = llmd_kv_load_row((const char *)v_cache + offset, cache_kind, D,
-                                         converted ? v_widened + i * D : NULL);
-        }
-        for (int64_t b = b0; b < b1; b++) {
-            /* this row's keys within the cell's: [lo, hi) */
-            const int64_t row_first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
-            const int64_t lo = row_first > start ? row_first : start;
-            const int64_t hi = seq_lens[b] < end ? seq_lens[b] : end;
-            const int64_t n = hi > lo ? hi - lo : 0;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t h = kvh * group + g;
-                float *s = scores;
-                scores_for(q + b * ldq + h * D, k_rows + (lo - start), n, D, scale, s);
-                float mx = -INFINITY;
-                const float total = n > 0 ? softmax_numerators(s, n, &mx) : 0.0f;
-                /* One cell: the row's output at once. Several: its part, combined below. Both end
-                 * as sum(e^(s - m) v) / sum(e^(s - m)) in the same bits when a row has one cell
-                 * with keys in it (the combination's weight is then e^0 = 1): the same result
-                 * whichever way a row's span was cut. */
-                float *o = ncells[span] == 1 ? out + (b * H + h) * D
-                                             : partial + ((b * H + h) * LLMD_ATTN_MAX_CELLS + cell) * (D + 2) + 2;
-                weighted_sum(v_rows + (lo - start), s, n, D, o);
-                if (ncells[span] == 1) { /* a row sees at least its own key: n > 0 but for a padding row's 0 */
-                    for (int64_t d = 0; d < D; d++) o[d] = n > 0 ? o[d] / total : 0.0f;
-                } else { /* an empty part (total 0) is skipped in the combination */
-                    o[-2] = mx;
-                    o[-1] = total;
+            for (int64_t c0 = start; c0 < end; c0 += KEY_CHUNK) {
+                const int64_t c1 = c0 + KEY_CHUNK < end ? c0 + KEY_CHUNK : end;
+                gather_rows(cache, cache_kind, table, block_size, KVH, kvh, row_bytes, D, c0, c1, end, rows, widened);
+                for (int64_t qi = 0; qi < nq; qi++) {
+                    /* this query's keys within the chunk: [x0, x1) */
+                    const int64_t b = b0 + qi / group, h = kvh * group + qi % group;
+                    const int64_t lo = key_first(b, seq_lens, window, start);
+                    const int64_t x0 = lo > c0 ? lo : c0, x1 = seq_lens[b] < c1 ? seq_lens[b] : c1;
+                    if (x1 <= x0) continue;
+                    float *sq = scores + qi * max_n + (x0 - start);
+                    if (pass == 0) scores_for(q + b * ldq + h * D, rows + (x0 - c0), x1 - x0, D, scale, sq);
+                    else weighted_sum_add(rows + (x0 - c0), sq, x1 - x0, D,
+                                          query_out(out, partial, b, h, H, D, cell, ncells[span]));
                 }
+            }
+        }
+        for (int64_t qi = 0; qi < nq; qi++) {
+            /* One cell: the row's output at once. Several: its part, combined below. Both end as
+             * sum(e^(s - m) v) / sum(e^(s - m)) in the same bits when a row has one cell with keys
+             * in it (the combination's weight is then e^0 = 1): the same result whichever way a
+             * row's span was cut. */
+            const int64_t b = b0 + qi / group;
+            const float *st = stats + 2 * qi;
+            float *o = query_out(out, partial, b, kvh * group + qi % group, H, D, cell, ncells[span]);
+            if (ncells[span] == 1) { /* a row sees at least its own key: a total > 0 but for a padding row's */
+                for (int64_t d = 0; d < D; d++) o[d] = st[1] > 0.0f ? o[d] / st[1] : 0.0f;
+            } else { /* an empty part (total 0) is skipped in the combination */
+                o[-2] = st[0];
+                o[-1] = st[1];
             }
         }
     }
     free(scores);
-    free(k_rows);
-    free(v_rows);
-    free(k_widened);
-    free(v_widened);
+    free(stats);
+    free(rows);
+    free(widened);
     /* log-sum-exp combination: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, cells in order */
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; bh++) {
