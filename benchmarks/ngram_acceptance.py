@@ -6,9 +6,10 @@ model's own greedy outputs, replayed through the draft proposer.
 
 For each request (the `edit` workload's chats, and plain questions), the model answers greedily
 without speculation. Then the answer is replayed step by step as a speculative engine would run it:
-each step drafts up to k tokens from the prompt and the output so far (daemon/engine/ngram_proposer.py,
-k from DraftLength), keeps the longest prefix equal to the answer's next tokens (greedy verification
-is exact, so these are the tokens the engine would accept) and adds the model's own next token.
+each step drafts up to k tokens from the prompt and the output so far (daemon/engine/ngram_proposer.py;
+k from DraftLengths, by the length of the suffix that found the draft), keeps the longest prefix equal
+to the answer's next tokens (greedy verification is exact, so these are the tokens the engine would
+accept) and adds the model's own next token.
 Reported: tokens per step (the ceiling on the speed-up), acceptance (accepted / drafted tokens), the
 share of steps that drafted at all, and the speed-up the cost model expects: tokens over steps plus
 ``--cost`` (what verifying one draft token costs, as a share of a step) times the drafted tokens.
@@ -21,7 +22,7 @@ import random
 import statistics
 
 from llmd.bench import edit_messages
-from llmd.daemon.engine.ngram_proposer import DRAFT_COST, MAX_DRAFT, DraftLength, accepted_prefix, propose
+from llmd.daemon.engine.ngram_proposer import DRAFT_COST, MAX_DRAFT, DraftLengths, accepted_prefix, lookup
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a short poem about the sea.",
              "Explain what a hash table is.", "Give me three tips for learning to cook.",
@@ -31,15 +32,15 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a 
 
 def replay(prompt: list[int], answer: list[int], max_draft: int, cost: float) -> tuple[int, int, int, int]:
     """(steps, drafted tokens, accepted tokens, steps that drafted) for ``answer`` after ``prompt``."""
-    length = DraftLength(max_draft, cost)
+    lengths = DraftLengths(max_draft, cost)
     steps = drafted = accepted = drafting = done = 0
     while done < len(answer):
-        k = length.next()
-        draft = propose(prompt + answer[:done], k) if k else []
+        draft, match = lookup(prompt + answer[:done], max_draft) if lengths.wanted() else ([], 0)  # as _draft
+        draft = draft[:lengths.next(match) if draft else 0]
         rest = answer[done:]
         a = accepted_prefix(draft, rest)
         if draft:
-            length.update(len(draft), a)
+            lengths.update(len(draft), a)
             drafted, accepted, drafting = drafted + len(draft), accepted + a, drafting + 1
         done += min(a + 1, len(rest))  # the accepted drafts and the model's own next token
         steps += 1

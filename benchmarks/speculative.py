@@ -77,7 +77,7 @@ def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(128)] for _ in range(max(streams))]
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
-    real = engine_module.propose
+    real = engine_module.lookup
     print(cpu_profile.machine_line())
     print(f"{'streams':>7} | {'off tok/s':>9} {'wrong tok/s':>11} {'ratio':>7} | {'drafted/token':>13} "
           f"{'modelled cost':>13}")
@@ -88,7 +88,7 @@ def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
             for rnd in range(rounds):
                 for mode in ("off", "wrong") if rnd % 2 == 0 else ("wrong", "off"):
                     engine.config.speculative = "off" if mode == "off" else "ngram"
-                    engine_module.propose = (lambda tokens, k: [0] * k) if mode == "wrong" else real
+                    engine_module.lookup = (lambda tokens, k: ([0] * k, 4)) if mode == "wrong" else real
                     batch = [p[:-1] + [1000 + 100 * rnd + i] for i, p in enumerate(prompts[:n])]  # no cache hits
                     before = engine.num_draft_tokens
                     start = time.perf_counter()
@@ -102,7 +102,7 @@ def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
             print(f"{n:>7} | {off:>9.1f} {wrong:>11.1f} {wrong / off:>6.3f}x | {share:>13.3f} "
                   f"{100 * share * draft_cost(n):>12.1f}%")
     finally:
-        engine_module.propose = real
+        engine_module.lookup = real
 
 
 def self_draft(layers: int, rounds: int, requests: int, prompt_tokens: int, output_tokens: int) -> None:

@@ -7,17 +7,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd.daemon.engine.ngram_proposer import DRAFT_COST, MAX_DRAFT, DraftLength, accepted_prefix, draft_cost, propose
+from llmd.daemon.engine.ngram_proposer import (DRAFT_COST, MAX_DRAFT, DraftLength, DraftLengths, accepted_prefix,
+                                               draft_cost, lookup, propose)
 
 
-def reference(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
-    """Brute force: the longest suffix that occurs earlier with a token after it; its latest occurrence."""
+def reference(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
+    """Brute force: the longest suffix that occurs earlier with a token after it; its latest
+    occurrence's next tokens, and the suffix's length."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[len(tokens) - n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
+                return tokens[start + n:start + n + k], n
+    return [], 0
 
 
 def test_the_longest_and_latest_match() -> None:
@@ -35,7 +37,53 @@ def test_the_longest_and_latest_match() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(0, 6))
 def test_matches_the_brute_force_reference(tokens: list[int], k: int) -> None:
-    assert propose(tokens, k) == (reference(tokens, k) if k > 0 else [])
+    want = reference(tokens, k) if k > 0 else ([], 0)
+    assert lookup(tokens, k) == want and propose(tokens, k) == want[0]
+
+
+def test_draft_lengths_are_learned_per_match_length() -> None:
+    """Drafts found by 1-token suffixes that keep failing silence those matches only: drafts found
+    by 4-token suffixes, which keep being right, are still verified in full (one acceptance for all
+    silenced both, and half of an edit's steps drafted nothing)."""
+    lengths = DraftLengths(max_draft=3, cost=0.2)
+    assert lengths.next(4) == 3 and lengths.next(1) == 3  # optimistic at first, whatever the match
+    assert lengths.next(0) == 0  # nothing found: nothing to verify
+    for _ in range(8):
+        for _ in range(3):
+            if lengths.next(1):
+                lengths.update(1, 0)  # short matches fail
+        assert lengths.next(4) == 3
+        lengths.update(3, 3)  # long ones are right
+    assert lengths.next(1) == 0 and lengths.next(4) == 3
+    single = DraftLength(max_draft=3, cost=0.2)  # the same history through one acceptance
+    for _ in range(8):
+        for _ in range(3):
+            single.update(1, 0)
+        single.update(3, 3)
+    assert single.next() == 1  # p ~0.4: only the first token is worth verifying
+    with pytest.raises(ValueError):
+        lengths.next(5)
+
+
+def test_a_request_whose_drafts_all_fail_looks_only_to_probe() -> None:
+    """Looking a draft up costs ~40 us a step: once no match length is worth verifying, it is done
+    only every probe_every steps, for a one-token probe; a probe that is right brings drafting back."""
+    lengths = DraftLengths(max_draft=3, cost=0.2, probe_every=5)
+    for match in range(1, 5):
+        for _ in range(6):
+            if lengths.wanted() and lengths.next(match):
+                lengths.update(1, 0)
+    looks = [lengths.wanted() for _ in range(15)]
+    probes = [i for i, look in enumerate(looks) if look]
+    assert len(probes) == 3 and probes[1] - probes[0] == probes[2] - probes[1] == 5
+    while not lengths.wanted():
+        pass
+    assert lengths.next(3) == 1  # the probe
+    for _ in range(4):
+        lengths.update(1, 1)
+        assert lengths.wanted()
+        lengths.next(3)
+    assert lengths.next(3) == 3 and lengths.next(1) == 0
 
 
 def test_draft_length_follows_acceptance() -> None:

@@ -192,12 +192,12 @@ def test_penalties_count_the_drafts_before_each_position(model_dir, monkeypatch,
     off = run_engine(make_engine(model_dir, speculative="off"), requests(params))
     prompts = {rid: prompt for _, rid, prompt, _ in requests(params)}
 
-    def oracle(token_ids: list[int], k: int) -> list[int]:
+    def oracle(token_ids: list[int], k: int) -> tuple[list[int], int]:
         (rid,) = [r for r, p in prompts.items() if token_ids[:len(p)] == p]
         done = len(token_ids) - len(prompts[rid])
-        return off[rid][done:done + k]
+        return off[rid][done:done + k], 4  # (found by a 4-token suffix)
 
-    monkeypatch.setattr(engine_module, "propose", oracle)
+    monkeypatch.setattr(engine_module, "lookup", oracle)
     engine = make_engine(model_dir, speculative="ngram")
     assert run_engine(engine, requests(params)) == off
     assert engine.num_accepted_tokens == engine.num_draft_tokens > 30  # every draft, several per step
@@ -298,14 +298,14 @@ def test_rejection_sampling_keeps_the_distribution(model_dir, monkeypatch) -> No
             successors.setdefault(a, Counter())[b] += 1
     likeliest = {a: c.most_common(1)[0][0] for a, c in successors.items()}
 
-    def bigram_drafts(tokens, k: int) -> list[int]:
+    def bigram_drafts(tokens, k: int) -> tuple[list[int], int]:
         draft, t = [], tokens[-1]
         while len(draft) < k and t in likeliest:
             t = likeliest[t]
             draft.append(t)
-        return draft
+        return draft, 1
 
-    monkeypatch.setattr(engine_module, "propose", bigram_drafts)
+    monkeypatch.setattr(engine_module, "lookup", bigram_drafts)
     monkeypatch.setattr(engine_module, "draft_cost", lambda rows: 0.2)  # drafts in a step of 256 rows too
     on, _, engine = sample("ngram", 10**6)
     assert engine.num_accepted_tokens > 2000 and engine.num_draft_tokens > 2 * engine.num_accepted_tokens

@@ -22,7 +22,7 @@ from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_bud
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
 from llmd.daemon.engine.model_runner import ModelRunner, bind_decode_step, kv_block_bytes
-from llmd.daemon.engine.ngram_proposer import DraftLength, accepted_prefix, draft_cost, propose
+from llmd.daemon.engine.ngram_proposer import DraftLength, DraftLengths, accepted_prefix, draft_cost, lookup
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -124,7 +124,7 @@ class _Request:
     detok: RequestDetokenizer
     # per prompt position (the first has none), filled as the prompt is computed
     prompt_logprobs: list[Logprob | None] | None = None
-    drafts: DraftLength | None = None  # how many tokens to draft, for a request that speculates
+    drafts: DraftLength | DraftLengths | None = None  # how many tokens to draft (draft model | prompt lookup)
 
 
 class LLMEngine:
@@ -328,7 +328,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
         if self.config.speculative != "off" and _speculates(params):
-            self.requests[request_id].drafts = DraftLength()
+            self.requests[request_id].drafts = DraftLength() if self.drafter is not None else DraftLengths()
         self.scheduler.add(seq)
         return seq
 
@@ -399,7 +399,8 @@ class LLMEngine:
         # the more rows a step has, the more a draft token costs next to a sequence's own one; a draft
         # model adds one of its passes per token
         cost = draft_cost(len(self.scheduler.running)) + self.draft_pass_cost
-        wants: list[tuple[Sequence, int]] = []
+        wants: list[tuple[Sequence, int]] = []  # the draft model's: sequences and how many tokens
+        found: list[tuple[Sequence, list[int]]] = []  # prompt lookup's: sequences and their drafts
         for seq in self.scheduler.running:
             req = self.requests.get(seq.request_id)
             if req is None or req.drafts is None or seq.num_tokens - seq.num_computed_tokens != 1:
@@ -409,12 +410,18 @@ class LLMEngine:
             grammar = self._grammars.get(seq.request_id)
             if grammar is not None:  # a constrained row's drafts end before its closing (structured_output)
                 room = min(room, grammar.draft_room(room + 1))
-            k = min(req.drafts.next(cost), room)
-            if k > 0:
+            if isinstance(req.drafts, DraftLengths):
+                # prompt lookup: the draft first, then how much of it to verify, by how long a suffix found it
+                if room <= 0 or not req.drafts.wanted(cost):
+                    continue
+                draft, match = lookup(seq.token_ids, min(room, req.drafts.max_draft))
+                if (k := req.drafts.next(match, cost) if draft else 0) > 0:
+                    found.append((seq, draft[:k]))
+            elif (k := min(req.drafts.next(cost), room)) > 0:
                 wants.append((seq, k))
-        drafts = self.drafter.propose(wants) if self.drafter is not None and wants else \
-            [propose(seq.token_ids, k) for seq, k in wants]
-        for (seq, _), draft in zip(wants, drafts):
+        if wants:
+            found += zip([seq for seq, _ in wants], self.drafter.propose(wants))
+        for seq, draft in found:
             grammar = self._grammars.get(seq.request_id)
             seq.add_drafts(draft if grammar is None else draft[:grammar.valid_prefix(draft)])
 

@@ -42,19 +42,21 @@ DRAFT_COST = draft_cost(1)
 SEARCH_WINDOW = 8192  # tokens looked back through: bounds a step's work on a long context
 
 
-def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM) -> list[int]:
+def lookup(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM
+           ) -> tuple[list[int], int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest suffix of
-    ``tokens`` (of ``max_n`` down to ``min_n`` tokens); ``[]`` when no suffix recurs.
+    ``tokens`` (of ``max_n`` down to ``min_n`` tokens), and that suffix's length; ``([], 0)`` when no
+    suffix recurs.
 
     The longest match first: a 4-token context predicts better than a 1-token one. The most recent
     occurrence: in an edit, the part of the prompt being copied is the one just matched.
     """
     if k <= 0:
-        return []
+        return [], 0
     arr = np.asarray(tokens[-SEARCH_WINDOW:], dtype=np.int64)
     length = len(arr)
     if length < 2:
-        return []
+        return [], 0
     # Every match ends where the last token recurs (before the last position, so a token follows it):
     # one pass over the context finds those ends, and longer suffixes are checked at them only. (A
     # sliding-window compare per suffix length cost ~0.4 ms a step at 600 tokens, every step.)
@@ -65,8 +67,13 @@ def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, 
             hits = hits[arr[hits - back] == arr[length - 1 - back]]
         if len(hits):
             start = int(hits[-1]) + 1
-            return arr[start:start + k].tolist()
-    return []
+            return arr[start:start + k].tolist(), n
+    return [], 0
+
+
+def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM) -> list[int]:
+    """:func:`lookup`'s draft alone."""
+    return lookup(tokens, k, min_n, max_n)[0]
 
 
 class DraftLength:
@@ -94,6 +101,10 @@ class DraftLength:
         # tokens, then a probe every probe_every steps)
         self.p = 0.9
         self._idle_steps = 0
+
+    def worth_drafting(self, cost: float | None = None) -> bool:
+        """Whether a draft token is worth verifying at ``cost`` (not counting probes)."""
+        return self.p > (self.cost if cost is None else cost)
 
     def next(self, cost: float | None = None) -> int:
         """The draft length for this step; ``cost``: this step's cost of a draft token, if not
@@ -130,3 +141,52 @@ def accepted_prefix(draft: Sequence[int], target: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+class DraftLengths:
+    """How many of a prompt-lookup draft's tokens to verify, by the length of the suffix it was found
+    by: one :class:`DraftLength` for each.
+
+    A long match is a better guess than a short one: in an edit, a 4-token match is the output
+    copying the prompt again, while 1-token matches keep failing inside the changed part. With one
+    acceptance for all, those failures silenced the good drafts too: half of an edit's steps drafted
+    nothing while its output was copying (benchmarks/ngram_acceptance.py replays it).
+
+    The draft has to be looked up before its length is known (~40 us at 600 tokens of context), so
+    :meth:`wanted` says when to look: while some match length is worth verifying, and then every
+    ``probe_every`` steps (a one-token probe), as :class:`DraftLength` probes.
+    """
+
+    def __init__(self, max_draft: int = MAX_DRAFT, cost: float = DRAFT_COST, probe_every: int = 32) -> None:
+        self.max_draft, self.probe_every = max_draft, probe_every
+        self._by_match = [DraftLength(max_draft, cost, probe_every=probe_every) for _ in range(MAX_NGRAM + 1)]
+        self._match = 0  # the suffix length of the draft being verified, which update() credits
+        self._idle_steps = 0
+        self._probe = False
+
+    def wanted(self, cost: float | None = None) -> bool:
+        """Whether to look a draft up this step (``cost`` as in :meth:`DraftLength.next`)."""
+        if any(d.worth_drafting(cost) for d in self._by_match[MIN_NGRAM:]):
+            self._idle_steps, self._probe = 0, False
+            return True
+        self._idle_steps += 1
+        self._probe = self._idle_steps >= self.probe_every
+        if self._probe:
+            self._idle_steps = 0
+        return self._probe
+
+    def next(self, match: int, cost: float | None = None) -> int:
+        """The draft length for this step, for a draft found by a suffix of ``match`` tokens (0:
+        none found); ``cost`` as in :meth:`DraftLength.next`."""
+        if not 0 <= match <= MAX_NGRAM:
+            raise ValueError(f"match must be 0 to {MAX_NGRAM}, got {match}")
+        self._match = match
+        k = self._by_match[match].next(cost) if match else 0
+        if match and self._probe:
+            k = max(k, 1)
+        self._probe = False
+        return k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """After a verification of the draft the last :meth:`next` sized (DraftLength.update)."""
+        self._by_match[self._match].update(proposed, accepted)
