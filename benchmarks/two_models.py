@@ -2,6 +2,7 @@
 alone, and what a load of another model costs the streams of the one serving.
 
     .venv/bin/python benchmarks/two_models.py [--streams 8] [--tokens 128] [--rounds 2]
+    .venv/bin/python benchmarks/two_models.py --rounds 0 --gap-rounds 4     # the load gap alone
 
 The models are the default model twice, under two names (the same GGUF reached by two paths: two
 engines, two KV pools, the same size), so that the figures are about sharing, not about the models.
@@ -85,10 +86,12 @@ def main() -> None:
             rates["a"].append(phase(socket_dir, [None], args.streams, args.tokens))
             rates["b"].append(phase(socket_dir, [str(b)], args.streams, args.tokens))
             rates["both"].append(phase(socket_dir, [None, str(b)], args.streams, args.tokens))
-        ra, rb, both = (statistics.median(rates[k]) for k in ("a", "b", "both"))
-        print(f"throughput, {args.streams} streams x {args.tokens} tokens per model, median of {args.rounds}:")
-        print(f"  a alone {ra:.0f} tok/s, b alone {rb:.0f} tok/s, both at once {both:.0f} tok/s")
-        print(f"  both / (a + b alone) = {both / (ra + rb):.2f}x;  both / mean(a, b alone) = {both / ((ra + rb) / 2):.2f}x")
+        if args.rounds:  # (--rounds 0: the load gap alone)
+            ra, rb, both = (statistics.median(rates[k]) for k in ("a", "b", "both"))
+            print(f"throughput, {args.streams} streams x {args.tokens} tokens per model, median of {args.rounds}:")
+            print(f"  a alone {ra:.0f} tok/s, b alone {rb:.0f} tok/s, both at once {both:.0f} tok/s")
+            print(f"  both / (a + b alone) = {both / (ra + rb):.2f}x;  "
+                  f"both / mean(a, b alone) = {both / ((ra + rb) / 2):.2f}x")
 
         # the load gap: another model built while a serves (a new name each time: a fresh build)
         print(f"load gap: {args.streams} streams on a; another model built meanwhile ({args.gap_rounds} times):")

@@ -30,10 +30,19 @@ _NORMALISER_SHRINK = 4
 
 def max_token_bytes(tokenizer: Any) -> int:
     """The most UTF-8 bytes of text any one token stands for (an upper bound)."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
-    most = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1)
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    most = 1
+    # NOTE: the Rust decoder (the same texts: transformers' decode of a fast tokenizer without clean-up
+    # is this call), 512 tokens at a time. transformers' batch_decode of the whole vocabulary at once
+    # held the GIL for ~280 ms on the default model's 49k tokens, mostly in a full garbage collection
+    # its 49k lists set off: every step of the models being served stalled that long while another
+    # model answered its first request. Fewer lists than the collector's first threshold (700),
+    # freed before the next, never set it off.
+    for first in range(0, len(tokenizer), 512):
+        ids = [[i] for i in range(first, min(first + 512, len(tokenizer)))]
+        texts = backend.decode_batch(ids, skip_special_tokens=False) if backend is not None else \
+            tokenizer.batch_decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        most = max(most, *(len(t.encode("utf-8", "surrogatepass")) for t in texts))
     if backend is None or backend.normalizer is not None:
         most *= _NORMALISER_SHRINK
     return max(1, most)

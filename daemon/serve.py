@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -139,6 +140,11 @@ def serve(opts: DaemonOptions, companion: Companion | None = None,
         if companion is not None:
             companion.start(connection)
         engine = default.engine
+        # NOTE: what the imports and the default model's load made lives as long as the daemon: frozen
+        # out of the garbage collector's way, a full collection (another model's load sets some off)
+        # scans only what came after. It scanned it all, holding the GIL ~100 ms: as long a stall
+        # for every stream of the models being served.
+        gc.freeze()
         log.info("serving %s on %s (%s, %s, %d KV blocks of %d tokens; weights %s) after %.1fs", info["model"],
                  files.requests_endpoint, info["device"], info["dtype"], engine.num_blocks, opts.engine.block_size,
                  describe(info["weight_memory"]), time.monotonic() - start)
