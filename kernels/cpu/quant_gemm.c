@@ -221,10 +221,52 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
 #endif
 }
 
-static inline __attribute__((always_inline)) void q8x8_tile(const uint8_t *wg, const uint16_t *sg, const int8_t *xq,
-                                                            const float *xd, int64_t K, int64_t bpg, float *res,
-                                                            const int mt) {
+#ifdef LLMD_VNNI
+/* q8x8_tile for several activation rows where the CPU has VNNI: vpdpbusd multiplies u8 by s8, and
+ * the plain tile makes each row's activations carry the weights' signs (vpsignb) against |w|, an
+ * extra operation per row and chunk. Here the activations come offset to u8 (xu = x + 128, once per
+ * call) against the weights as they are, and 128 * sum(w), one vpdpbusd per chunk for all the rows,
+ * is taken off: the same integer sums, exactly, so the same bits, with a third fewer operations per
+ * row (the LM head's verification rows, several streams' decode rows, INT8 layers' prompts). */
+static inline __attribute__((always_inline)) void q8x8_offset_tile(const uint8_t *wg, const uint16_t *sg,
+                                                                   const uint8_t *xu, const float *xd, int64_t K,
+                                                                   int64_t bpg, float *res, const int mt) {
     const int64_t nb = K / QK;
+    const __m256i one8 = _mm256_set1_epi8(1);
+    __m256 acc[MT];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + (b / bpg) * 8)));
+        const uint8_t *wb = wg + b * 256;
+        __m256i s32[MT], wsum = _mm256_setzero_si256();
+        for (int m = 0; m < mt; m++) s32[m] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
+            wsum = dpbusd(wsum, one8, w); /* each row's sum of its 4 weights, added up over the block */
+            for (int m = 0; m < mt; m++)
+                s32[m] = dpbusd(s32[m], _mm256_set1_epi32(load_i32((const int8_t *)xu + m * K + b * QK + 4 * c)), w);
+        }
+        const __m256i offset = _mm256_slli_epi32(wsum, 7); /* 128 * sum(w): what the +128 added */
+        for (int m = 0; m < mt; m++)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s32[m], offset)),
+                                     _mm256_mul_ps(ws, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
+    }
+    for (int m = 0; m < mt; m++) _mm256_storeu_ps(res + 8 * m, acc[m]);
+}
+#endif
+
+static inline __attribute__((always_inline)) void q8x8_tile(const uint8_t *wg, const uint16_t *sg, const int8_t *xq,
+                                                            const uint8_t *xu, const float *xd, int64_t K, int64_t bpg,
+                                                            float *res, const int mt) {
+    const int64_t nb = K / QK;
+#ifdef LLMD_VNNI
+    if (xu) { /* the activations offset to u8 (see q8x8_offset_tile) */
+        q8x8_offset_tile(wg, sg, xu, xd, K, bpg, res, mt);
+        return;
+    }
+#else
+    (void)xu;
+#endif
 #ifdef LLMD_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones; /* unused by VNNI builds */
@@ -279,6 +321,11 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
                      float *out, int64_t ldo) {
     const int64_t nb = K / QK, ng = K / group, bpg = group / QK, groups = (N + 7) / 8;
     const int64_t wstride = nb * (kind == LLMD_Q4X8 ? 128 : 256);
+    uint8_t *xu = NULL; /* INT8 weights, VNNI, several rows: the activations offset to u8, this thread's copy */
+#ifdef LLMD_VNNI
+    if (kind == LLMD_Q8X8 && M >= 2 && (xu = malloc((size_t)(M * K))) != NULL)
+        for (int64_t i = 0; i < M * K; i++) xu[i] = (uint8_t)xq[i] ^ 0x80; /* x + 128 */
+#endif
     /* NOTE: static: each thread streams one contiguous share of the weights, which the hardware
      * prefetcher follows; dynamic chunks of 32 rows (to even out the threads' finishing times) made
      * a one-row decode step ~30% slower. */
@@ -300,16 +347,18 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
                 default: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, MT); break;
                 }
             } else {
+                const uint8_t *u = xu && mt > 1 ? xu + m0 * K : NULL; /* (one row: the plain tile) */
                 switch (mt) {
-                case 1: q8x8_tile(wg, sg, x, d, K, bpg, res, 1); break;
-                case 2: q8x8_tile(wg, sg, x, d, K, bpg, res, 2); break;
-                case 3: q8x8_tile(wg, sg, x, d, K, bpg, res, 3); break;
-                default: q8x8_tile(wg, sg, x, d, K, bpg, res, MT); break;
+                case 1: q8x8_tile(wg, sg, x, NULL, d, K, bpg, res, 1); break;
+                case 2: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 2); break;
+                case 3: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 3); break;
+                default: q8x8_tile(wg, sg, x, u, d, K, bpg, res, MT); break;
                 }
             }
             for (int64_t m = 0; m < mt; m++) memcpy(out + (m0 + m) * ldo + 8 * G, res + 8 * m, sizeof(float) * rows);
         }
     }
+    free(xu);
 }
 
 /* Public: quantise x [M, K] fp32 into the caller's buffers (xq [M, K], xd and xm [M, K/32]) and
