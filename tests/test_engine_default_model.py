@@ -86,8 +86,9 @@ def test_batched_logprobs_match_unbatched_within_rounding(any_llm, prompts) -> N
         ref_chosen = ref[torch.arange(len(out)), torch.tensor(out)]
         diffs.append((ref_chosen - torch.tensor(chosen[f"lp{i}"])).abs())
     diffs = torch.cat(diffs)
-    # bf16 logits are rounded to 1/8 near |20|: their log-softmax moves by up to ~0.2 nats.
-    worst_tol, mean_tol = (1e-3, 1e-4) if llm.engine.model.dtype == torch.float32 else (0.3, 0.05)
+    # bf16 logits are rounded to 1/8 near |20|: their log-softmax moves by up to ~0.2 nats (0.36 seen
+    # on a Xeon with AMX, with a mean of 0.014; a paging bug moves them by whole nats).
+    worst_tol, mean_tol = (1e-3, 1e-4) if llm.engine.model.dtype == torch.float32 else (0.5, 0.05)
     assert diffs.max() < worst_tol and diffs.mean() < mean_tol, f"max {diffs.max():.3f} mean {diffs.mean():.4f}"
 
 

@@ -103,7 +103,13 @@ def test_centring_leaves_attention_unchanged(model_dir, path: str) -> None:
     assert engine.stats().prefix_cache_hit_rate > 0
     for rid in prompts:
         assert centred[rid][0] == plain[rid][0], rid
-        assert torch.allclose(torch.tensor(centred[rid][1]), torch.tensor(plain[rid][1]), atol=2e-3), rid
+    diffs = torch.cat([(torch.tensor(centred[rid][1]) - torch.tensor(plain[rid][1])).abs() for rid in prompts])
+    # The native step quantises each matmul's input to int8 per 32 values: the centred cache moves the
+    # attention's output by fp32 rounding, which now and then flips one of those roundings (up to
+    # 0.04 nats, 0.001 on average, measured on a Xeon). The fused step storing keys without their
+    # centres (mutated once to see it) moved them by 2.1 nats, 0.5 on average, and changed the tokens.
+    worst, mean = (2e-3, 2e-3) if not native else (0.15, 0.01)
+    assert diffs.max() < worst and diffs.mean() < mean, (float(diffs.max()), float(diffs.mean()))
 
 
 def test_an_int8_cache_centres_keys_and_other_caches_do_not(model_dir, tmp_path) -> None:
