@@ -70,8 +70,8 @@ static inline float score_one(const float *q, const float *k, int64_t D) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* The scores of eight keys, as score_one adds them: one accumulator per key (eight independent FMA
- * chains, the query chunk loaded once for all eight), reduced by three rounds of horizontal adds
- * into one vector of the eight sums. Always inlined with a constant D where the head size is a
+ * chains, the query chunk loaded once for all eight), reduced by two rounds of horizontal adds and
+ * an add of the halves into one vector of the eight sums. Always inlined with a constant D where the head size is a
  * common one, so the loop over the head unrolls. */
 static inline __attribute__((always_inline)) __m256 scores8(const float *q, const float *const *rows, const int64_t D) {
     __m256 acc[8];
@@ -300,8 +300,9 @@ void llmd_decode_attention_body(const float *q, int64_t ldq, const void *k_cache
         const int64_t *table = block_tables + b0 * max_blocks;
         const int64_t nq = (b1 - b0) * group; /* query (b, g) is number (b - b0) * group + g */
         /* Three passes over the cell: every query's scores (K a chunk at a time), each query's
-         * softmax, every query's weighted sum of V (a chunk at a time). A chunk of rows is read
-         * from the cache and widened once for all the queries, and stays in L1 while they use it. */
+         * softmax (at the start of the V pass), every query's weighted sum of V (a chunk at a
+         * time). A chunk of rows is read from the cache and widened once for all the queries, and
+         * stays in L1 while they use it. */
         for (int pass = 0; pass < 2; pass++) {
             const void *cache = pass == 0 ? k_cache : v_cache;
             if (pass == 1) {
