@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmd.daemon.engine.ngram_proposer import (DRAFT_COST, MAX_DRAFT, DraftLength, DraftLengths, accepted_prefix,
-                                               draft_cost, lookup, propose)
+                                               draft_cost, lookup)
+
+
+def propose(tokens: list[int], k: int) -> list[int]:
+    """The draft :func:`lookup` finds, without its match length."""
+    return lookup(tokens, k)[0]
 
 
 def reference(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:

@@ -71,11 +71,6 @@ def lookup(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, m
     return [], 0
 
 
-def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM) -> list[int]:
-    """:func:`lookup`'s draft alone."""
-    return lookup(tokens, k, min_n, max_n)[0]
-
-
 class DraftLength:
     """How many tokens to draft for one sequence, from its recent acceptance.
 
