@@ -1,7 +1,8 @@
 """Requests into the daemon: a ``generate`` checked field by field, its prompt encoded on a worker
 thread (daemon/prompt_encoder.py: nothing a client sends can stall the loop), and handed to its
 model's engine when its tokens are ready; ``tokenize`` answered the same way. A request for a model
-the daemon has not built yet waits for it (daemon/model_set.py), then starts the same way."""
+the daemon has not built yet waits for it (daemon/model_set.py), then starts the same way. A request
+for a remote model (daemon/remote_model.py) is checked the same way and sent to its server at once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.sequence import check_priority
 from llmd.daemon.model_set import MAX_MODEL_NAME_CHARS, ModelSet
+from llmd.daemon.remote_model import RemoteModel
+from llmd.daemon.remote_runner import RemoteRequest, RemoteRunner
 from llmd.daemon.request_metrics import RequestMetrics
 from llmd.daemon.served_model import ServedModel
 from llmd.daemon.tool_calls import ToolCallParser, ToolRequest
@@ -38,7 +41,7 @@ class LiveRequest:
     num_prompt_tokens: int
     public_id: str  # how the stats stream names it (request ids are private to their client)
     params: SamplingParams
-    model: ServedModel | None  # None while the model it names is being built
+    model: ServedModel | None  # None while the model it names is being built, and for a remote model's
     model_name: str
     priority: int = 0
     context_limit: int | None = None  # prompt + output at most this many tokens: max_tokens lowered to fit
@@ -47,6 +50,7 @@ class LiveRequest:
     tools: ToolRequest | None = None
     tool_parser: ToolCallParser | None = None  # set when it is queued: its output into text and tool calls
     content: dict[str, Any] | None = None  # the request as sent, kept while it waits for its model
+    remote: RemoteRequest | None = None  # a remote model's request (daemon/remote_runner.py): no engine
     text: list[str] = field(default_factory=list)  # collected for stream=False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
@@ -80,12 +84,16 @@ class Intake:
         wake: called from the worker thread when an encoding finishes (wakes the loop).
         new_public_id: names a client's new request in the stats stream.
         metrics: counts the requests refused once their prompt is encoded.
+        remotes: the remote models (by name), and the runner that sends their requests.
     """
 
     def __init__(self, models: ModelSet, live: dict[str, LiveRequest], max_queue_len: int,
                  reply: Callable[[bytes, Reply], None], wake: Callable[[Future[list[int]]], None],
-                 new_public_id: Callable[[bytes], str], metrics: RequestMetrics | None = None) -> None:
+                 new_public_id: Callable[[bytes], str], metrics: RequestMetrics | None = None,
+                 remotes: tuple[list[RemoteModel], RemoteRunner] | None = None) -> None:
         self.models, self.live, self.max_queue_len = models, live, max_queue_len
+        self._remotes = {r.name.casefold(): r for r in remotes[0]} if remotes else {}
+        self._runner = remotes[1] if remotes else None
         self.metrics = metrics or RequestMetrics()
         self._reply, self._wake, self._new_public_id = reply, wake, new_public_id
         # `tokenize` and `detokenize` requests: (future, client, parent, reply type, the reply's field)
@@ -107,7 +115,7 @@ class Intake:
         if stopping:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; no new requests")
         queued = sum(m.engine.num_waiting for m in self.models.models.values()) + sum(
-            1 for live in self.live.values() if live.encoding or live.model is None)
+            1 for live in self.live.values() if live.encoding or (live.model is None and live.remote is None))
         if queued >= self.max_queue_len:
             raise ProtocolError(ErrorCode.OVERLOADED, f"{queued} requests are queued; try again later")
         stream = c.get("stream", True)
@@ -121,7 +129,8 @@ class Intake:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"params must be a map of sampling parameters; "
                                                       f"unknown: {unknown!r}")
         name = self.model_name(c)
-        model = self.models.get(name)
+        remote = self.remote_model(name)
+        model = self.models.get(name) if remote is None else None
         try:
             check_priority(priority)
             # what the request leaves out: its model's defaults (applied again once a model being built is ready)
@@ -137,8 +146,10 @@ class Intake:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "response_format and tools both shape the answer, and "
                                                           "the format leaves no room for a call; send one of them "
                                                           '(or tool_choice "none")')
-            if tools.forced:
+            if tools.forced and remote is None:  # (a remote's server constrains its own output)
                 params.response_format = tools.response_format()
+        if remote is not None:
+            return self._start_remote(identity, msg, remote, stream, priority, context_limit, params, tools)
         if model is None:
             try:
                 self.models.check(name)
@@ -152,6 +163,24 @@ class Intake:
         else:
             self._start(live, c)
         self.live[key] = live
+        return live
+
+    def remote_model(self, name: str | None) -> RemoteModel | None:
+        """The remote model ``name`` names (any case), if it names one."""
+        return self._remotes.get(name.casefold()) if name else None
+
+    def _start_remote(self, identity: bytes, msg: Message, remote: RemoteModel, stream: bool, priority: int,
+                      context_limit: int | None, params: SamplingParams, tools: ToolRequest | None) -> LiveRequest:
+        """Send a request for a remote model to its server (``accepted`` once the server answers)."""
+        assert self._runner is not None  # (there are remote models, so there is a runner)
+        rid = msg.content["request_id"]
+        path, body = remote.upstream_request(msg.content, tools, context_limit)
+        key = request_key(identity, rid)
+        request = RemoteRequest(key, remote, path, body)
+        live = LiveRequest(identity, rid, msg.msg_id, stream, 0, self._new_public_id(identity), params, None,
+                           remote.name, priority, context_limit, tools=tools, remote=request)
+        self.live[key] = live
+        self._runner.start(request)
         return live
 
     def model_name(self, content: dict[str, Any]) -> str | None:
@@ -169,7 +198,8 @@ class Intake:
     def start_waiting(self, model: ServedModel) -> None:
         """The requests that waited for ``model`` to be built: their defaults applied, encoding."""
         for live in self.live.values():
-            if live.model is None and live.model_name == model.name and live.content is not None:
+            if live.model is None and live.remote is None and live.model_name == model.name and \
+                    live.content is not None:
                 content, live.content, live.model = live.content, None, model
                 raw = content.get("params") or {}
                 params = SamplingParams(**(model.sampling_defaults | raw))  # (checked once already)
@@ -180,7 +210,7 @@ class Intake:
     def fail_waiting(self, name: str, code: str, message: str) -> None:
         """The requests that waited for ``name``, which could not be built."""
         for key, live in list(self.live.items()):
-            if live.model is None and live.model_name == name:
+            if live.model is None and live.remote is None and live.model_name == name:
                 self._refuse(key, code, message)
 
     def _start(self, live: LiveRequest, content: dict[str, Any]) -> None:
@@ -211,6 +241,9 @@ class Intake:
             ProtocolError: ``model_not_found``.
         """
         name = self.model_name(content)
+        if self.remote_model(name) is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} is a remote model: its tokenizer is its server's "
+                                                      "(ask the server's own /tokenize, if it has one)")
         model = self.models.get(name)
         if model is None:
             raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not loaded here: a generate request "

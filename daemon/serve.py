@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from llmd.config import OPTIONS, is_loopback, runtime_dir
+from llmd.config import OPTIONS, RemoteTable, is_loopback, runtime_dir
 from llmd.daemon.engine_args import EngineArgs
 from llmd.daemon.quantization import describe, describe_quant, weight_memory
 from llmd.daemon.runtime_files import RuntimeFiles
@@ -40,18 +40,20 @@ class DaemonOptions:
     log_file: str | None = None  # where the log goes (rotated), None: stderr
     # what requests get for the sampling parameters they leave out (the model's config-file table)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    remotes: dict[str, RemoteTable] = field(default_factory=dict)  # the config file's [remote."NAME"] tables
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any], log_file: str | None = None,
-                      sampling_defaults: Mapping[str, Any] | None = None) -> DaemonOptions:
+                      sampling_defaults: Mapping[str, Any] | None = None,
+                      remotes: Mapping[str, RemoteTable] | None = None) -> DaemonOptions:
         """From the effective settings (llmd.config.resolve: its ``values`` and ``sampling``).
 
         Raises:
             ValueError: a bad value (the settings' own checks pass, so: a combination).
         """
-        own = {f.name for f in fields(cls)} - {"engine", "log_file", "sampling_defaults"}
+        own = {f.name for f in fields(cls)} - {"engine", "log_file", "sampling_defaults", "remotes"}
         return cls(EngineArgs.from_settings(values), log_file=log_file, sampling_defaults=dict(sampling_defaults or {}),
-                   **{k: v for k, v in values.items() if k in own})
+                   remotes=dict(remotes or {}), **{k: v for k, v in values.items() if k in own})
 
 
 def check_tcp(tcp: str | None, allow_remote: bool = False) -> None:
@@ -100,9 +102,11 @@ def serve(opts: DaemonOptions, companion: Companion | None = None,
     """
     from llmd.daemon.model_set import ModelSet
     from llmd.daemon.model_source import DEFAULT_MODEL_ALIAS, resolve_model
+    from llmd.daemon.remote_model import RemoteModel
     from llmd.daemon.server import Server, ServerConfig
 
     check_tcp(opts.tcp, opts.allow_remote)
+    remotes = [RemoteModel.from_table(n, t) for n, t in opts.remotes.items()]  # (a key unset: said before loading)
     try:
         server_config = ServerConfig(max_queue_len=opts.max_queue_len, drain_timeout_s=opts.drain_timeout,
                                      tcp=opts.tcp, idle_unload_s=60.0 * opts.idle_unload)
@@ -135,7 +139,7 @@ def serve(opts: DaemonOptions, companion: Companion | None = None,
                           opts.max_loaded_models, aliases=("default", default.info["model"])
                           + ((DEFAULT_MODEL_ALIAS,) if opts.engine.model is None else ()),
                           max_bytes=opts.max_models_mb << 20, estimate=estimate)
-        server = Server(models, files, info, server_config)
+        server = Server(models, files, info, server_config, remotes)
         connection = files.write_connection_file({**info, **server.connection_fields})
         if companion is not None:
             companion.start(connection)

@@ -9,6 +9,10 @@ keeps answering (daemon/model_lifecycle.py).
 
 A failing step costs the requests in flight an ``internal`` error, never the daemon, unless it
 fails MAX_CONSECUTIVE_STEP_FAILURES times in a row.
+
+Requests for remote models (daemon/remote_model.py) have no engine: a thread of their own streams
+them from their servers (daemon/remote_runner.py), and the loop routes what comes back, woken
+like it is for an encoded prompt.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from typing import Any
 
 import zmq
 
-from llmd.daemon.engine.outputs import RequestDelta
+from llmd.daemon.engine.outputs import RequestDelta, RequestMetrics
 from llmd.daemon.intake import Intake, LiveRequest, request_key
 from llmd.daemon.process_memory import rss_bytes
 from llmd.daemon.model_set import ModelSet
+from llmd.daemon.remote_model import RemoteModel
+from llmd.daemon.remote_runner import RemoteEvent, RemoteRunner
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.daemon.served_model import ServedModel
 from llmd.daemon.server_stats import ServerStats
@@ -63,23 +69,26 @@ class Server:
         files: the runtime dir (key, endpoints).
         info: what ``info`` replies say about the daemon (the default model's fields among them).
         config: limits.
+        remotes: the remote models (the config file's ``[remote."NAME"]`` tables).
     """
 
     def __init__(self, models: ModelSet, files: RuntimeFiles, info: dict[str, Any],
-                 config: ServerConfig | None = None) -> None:
+                 config: ServerConfig | None = None, remotes: list[RemoteModel] | None = None) -> None:
         self.models = models
         self.config = config = config or ServerConfig()
         self.transport = Transport(files, config.tcp)
         self.reporter = ServerStats(models, info, {"max_queue_len": config.max_queue_len,
                                                    "idle_unload_s": config.idle_unload_s,
-                                                   "max_loaded_models": models.max_loaded})
+                                                   "max_loaded_models": models.max_loaded}, remotes or [])
         self.live: dict[str, LiveRequest] = {}  # engine request id -> request
         # Woken through this pipe when an encoding finishes, so the loop can sleep in poll() meanwhile.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self.remote_runner = RemoteRunner(remotes, lambda: self._wake(None)) if remotes else None
         self.intake = Intake(models, self.live, config.max_queue_len, self.transport.queue, self._wake,
-                             self.reporter.new_public_id, self.reporter.requests)
+                             self.reporter.new_public_id, self.reporter.requests,
+                             (remotes, self.remote_runner) if remotes and self.remote_runner else None)
         self.stopping = False
         self.drain_deadline: float | None = None
         self.num_step_failures = 0
@@ -123,6 +132,7 @@ class Server:
                 if poller.poll(timeout):
                     self._drain_incoming()
                 self._collect_encoded()
+                self._collect_remote()
                 self._tick_models()
                 # NOTE: answers (health, stats, accepted, errors) leave now, not after a step that
                 # may take seconds on a CPU with a long context.
@@ -136,6 +146,8 @@ class Server:
                 self._flush()
                 self._publish_stats()
         finally:
+            if self.remote_runner is not None:
+                self.remote_runner.close()
             self.models.close()
             self._flush()
             os.close(self._wake_r)
@@ -186,13 +198,14 @@ class Server:
             key = request_key(identity, rid)
             if key not in self.live:
                 raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"no request {rid!r} of yours is running")
-            live = self.live[key]
-            self._finish(key, live.model.engine.abort_request(key) if live.model else None, reason="abort")
+            self._finish(key, self._abort(key, self.live[key]), reason="abort")
         elif msg.type == "stats":
             self._reply(identity, ("stats", self._stats(), msg.msg_id))
         elif msg.type == "info":
             name = self.intake.model_name(c)
-            if name is not None and self.models.get(name) is None:
+            if (remote := self.intake.remote_model(name)) is not None:
+                self._reply(identity, ("info", remote.info(self.reporter.daemon_info()), msg.msg_id))
+            elif name is not None and self.models.get(name) is None:
                 raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not loaded here: a generate "
                                                               "request naming it loads it")
             self._reply(identity, ("info", self.reporter.info(self.models.get(name)), msg.msg_id))
@@ -208,7 +221,7 @@ class Server:
             self._reply(identity, ("shutdown", {"status": "stopping"}, msg.msg_id))
             self.request_stop()
 
-    def _wake(self, _: Future[list[int]]) -> None:
+    def _wake(self, _: Future[Any] | None) -> None:
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -224,6 +237,39 @@ class Server:
         except BlockingIOError:
             return
         self.intake.collect()
+
+    def _collect_remote(self) -> None:
+        """Route what remote models' servers sent (daemon/remote_runner.py) as an engine's deltas."""
+        if self.remote_runner is None:
+            return
+        for event in self.remote_runner.events():
+            request = event.request
+            live = self.live.get(request.key)
+            if live is None or live.remote is not request:
+                continue  # (cancelled, or its client gone: the daemon has answered it)
+            if event.kind == "accepted":
+                self._reply(live.identity, ("accepted", {"request_id": live.request_id, "prompt_tokens": 0,
+                                                         "id": live.public_id}, live.parent))
+            elif event.kind == "text":
+                request.num_chunks += 1
+                request.first_text_at = request.first_text_at or event.at
+                request.last_text_at = event.at
+                self._route(RequestDelta(request.key, event.text, []))
+            elif event.kind == "done":
+                live.num_prompt_tokens = event.usage.get("prompt_tokens", 0)
+                delta = RequestDelta(request.key, "", [], True, event.finish_reason, metrics=_remote_metrics(event))
+                self._finish(request.key, delta, event.finish_reason, event.tool_calls)
+            elif event.error is not None:
+                self.live.pop(request.key)
+                self.reporter.requests.failed()
+                self._error(live.identity, live.parent, event.error.code, str(event.error), live.request_id)
+
+    def _abort(self, key: str, live: LiveRequest) -> RequestDelta | None:
+        """Stop a request in flight: its engine's abort (its last delta), or its remote stream closed."""
+        if live.remote is not None and self.remote_runner is not None:
+            self.remote_runner.cancel(live.remote)
+            return None
+        return live.model.engine.abort_request(key) if live.model is not None else None
 
     # ---- engine ----------------------------------------------------------------------------------
 
@@ -262,7 +308,9 @@ class Server:
         if delta.finished:
             self._finish(delta.request_id, delta, delta.finish_reason)
 
-    def _finish(self, key: str, delta: RequestDelta | None, reason: str | None) -> None:
+    def _finish(self, key: str, delta: RequestDelta | None, reason: str | None,
+                tool_calls: list[dict[str, str]] | None = None) -> None:
+        """``tool_calls``: a remote model's (its server parsed them); a local model's come from its parser."""
         live = self.live.pop(key, None)
         if live is None:
             return
@@ -281,6 +329,8 @@ class Server:
                 content["tool_calls"] = [call.to_wire() for call in calls]
                 if reason == "stop" and live.tool_parser.request.choice != "function":  # (as OpenAI's)
                     content["finish_reason"] = "tool_calls"
+        if tool_calls:
+            content["tool_calls"] = tool_calls
         if not live.stream:
             content["text"] = "".join(live.text)
             content["token_ids"] = live.token_ids
@@ -309,8 +359,7 @@ class Server:
         for key, live in list(self.live.items()):
             if model is not None and live.model is not model:
                 continue
-            if live.model is not None:
-                live.model.engine.abort_request(key)
+            self._abort(key, live)
             self.live.pop(key)
             self.reporter.requests.failed()
             self._reply(live.identity, ("error", {"request_id": live.request_id, "code": code,
@@ -322,8 +371,7 @@ class Server:
         keys = [k for k, live in self.live.items() if live.identity == identity]
         for key in keys:
             live = self.live.pop(key)
-            if live.model is not None:
-                live.model.engine.abort_request(key)
+            self._abort(key, live)
             self.reporter.requests.failed()
         if keys:
             log.info("client %s went away; aborted %d request(s)", identity.hex(), len(keys))
@@ -359,3 +407,21 @@ class Server:
         self._last_stats = now
         self.transport.publish({**self._stats(), **self.reporter.live_view(self.live),
                                 "num_blocks_used_peak": self.models.default.engine.take_peak_blocks_used()})
+
+
+def _remote_metrics(event: RemoteEvent) -> RequestMetrics:
+    """A remote request's metrics as a local one's: its usage as its server counted it, its times
+    as this daemon saw them (the first text's arrival is its TTFT; its tokens are spread evenly
+    between the first text and the last for the decode rate)."""
+    request, usage = event.request, event.usage
+    first, last = request.first_text_at, request.last_text_at
+    generated = usage.get("completion_tokens") or request.num_chunks
+    times: list[float] = []
+    if first is not None and last is not None and 0 < generated <= 1 << 16:  # (the server's count: bounded)
+        step = (last - first) / (generated - 1) if generated > 1 else 0.0
+        times = [first - request.sent_at + i * step for i in range(generated)]
+    return RequestMetrics(num_prompt_tokens=usage.get("prompt_tokens", 0),
+                          num_cached_tokens=usage.get("cached_tokens", 0), num_generated_tokens=generated,
+                          num_preemptions=0, queue_time=None,
+                          ttft=None if first is None else first - request.sent_at, e2e=event.at - request.sent_at,
+                          token_times=times)

@@ -14,6 +14,7 @@ from typing import Any
 from llmd import __version__
 from llmd.daemon.intake import LiveRequest
 from llmd.daemon.model_set import ModelSet
+from llmd.daemon.remote_model import RemoteModel
 from llmd.daemon.request_metrics import RequestMetrics
 from llmd.daemon.served_model import ServedModel
 
@@ -27,10 +28,13 @@ class ServerStats:
         models: the daemon's models.
         info: what ``info`` replies say about the daemon and its default model (the connection file's fields).
         limits: the daemon's limits ``info`` reports (``max_queue_len``, ``idle_unload_s``...).
+        remotes: the remote models (listed in ``models`` after the local ones, with their health).
     """
 
-    def __init__(self, models: ModelSet, info: dict[str, Any], limits: Mapping[str, Any]) -> None:
+    def __init__(self, models: ModelSet, info: dict[str, Any], limits: Mapping[str, Any],
+                 remotes: list[RemoteModel] | None = None) -> None:
         self.models, self.model_info, self.limits = models, info, dict(limits)
+        self.remotes = list(remotes or [])
         self.started = time.time()
         self._public_ids = itertools.count(1)
         self._owners: dict[bytes, int] = {}  # client -> its number in the stats stream
@@ -48,8 +52,12 @@ class ServerStats:
         own counters (dropped messages, step failures, stopping, the model's state...)."""
         s = self.models.default.engine.stats().to_dict()
         s.update(uptime_s=time.time() - self.started, num_clients=len({r.identity for r in live.values()}),
-                 **self.requests.to_dict(), models=self.models.describe(), **daemon)
+                 **self.requests.to_dict(), models=self.describe_models(), **daemon)
         return s
+
+    def describe_models(self) -> list[dict[str, Any]]:
+        """``models``: the local ones (ModelSet.describe), then the remote ones."""
+        return self.models.describe() + [r.describe() for r in self.remotes]
 
     def info(self, model: ServedModel | None = None) -> dict[str, Any]:
         """The daemon and its default model; with ``model``, that model instead of the default."""
@@ -58,7 +66,13 @@ class ServerStats:
         return {**self.model_info, **model.info, "name": model.name, "version": __version__, "pid": os.getpid(),
                 "started": self.started, "max_model_len": engine.max_model_len, "block_size": engine.config.block_size,
                 "num_blocks": engine.num_blocks, "speculative": engine.config.speculative,
-                "models": self.models.describe(), **self.limits}
+                "models": self.describe_models(), **self.limits}
+
+    def daemon_info(self) -> dict[str, Any]:
+        """``info``'s fields of the daemon alone (a remote model's ``info`` adds its own)."""
+        own = {k: self.model_info.get(k) for k in ("log_file", "journal", "http")}
+        return {**own, "version": __version__, "pid": os.getpid(), "started": self.started,
+                "models": self.describe_models(), **self.limits}
 
     def live_view(self, live: Mapping[str, LiveRequest]) -> dict[str, Any]:
         """The default model's block map and every model's request table (docs/protocol.md)."""
@@ -77,4 +91,17 @@ class ServerStats:
                 entry["model"] = model.name
                 del entry["request_id"]  # the client's own id, private to it
                 requests.append(entry)
+        now = time.monotonic()
+        for request in live.values():  # a remote model's: no KV blocks here, its times measured here
+            remote = request.remote
+            if remote is None:
+                continue
+            rate = None
+            if remote.first_text_at is not None and remote.num_chunks > 1 and now > remote.first_text_at:
+                rate = (remote.num_chunks - 1) / (now - remote.first_text_at)
+            requests.append({"id": request.public_id, "owner": self._owners.get(request.identity, 0), "state": "remote",
+                             "prompt_tokens": request.num_prompt_tokens, "cached_tokens": 0,
+                             "generated_tokens": remote.num_chunks, "tokens_per_s": rate,
+                             "ttft": None if remote.first_text_at is None else remote.first_text_at - remote.sent_at,
+                             "format": None, "model": request.model_name})
         return {"block_map": blocks, "requests": requests}

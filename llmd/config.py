@@ -24,6 +24,15 @@ Ollama Modelfile's parameters)::
     temperature = 0.3
     top_p = 0.95
 
+A ``[remote."NAME"]`` table serves the model ``NAME`` from an OpenAI-compatible server elsewhere (vLLM or
+SGLang on a cluster): requests naming it are forwarded there (daemon/remote_model.py). The key is read
+from an environment variable or a file, never written in the config file::
+
+    [remote."llama-70b"]
+    url = "https://gpu-box.example:8000/v1"   # the server's OpenAI base URL
+    model = "meta-llama/Llama-3.3-70B-Instruct" # the id it serves the model under (default: NAME)
+    api_key_env = "CLUSTER_API_KEY"           # or api_key_file = "~/.config/llmd/cluster.key"
+
 ``$LLMD_CONFIG`` names another file; ``$XDG_CONFIG_HOME`` moves the default one.
 A systemd service sees neither the user's shell variables nor flags: the file is how it is set up.
 """
@@ -286,6 +295,57 @@ class ModelTable:
     sampling: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteTable:
+    """A ``[remote."NAME"]`` table: a model an OpenAI-compatible server elsewhere serves. Raises
+    ``ValueError`` on nonsense (named by its key)."""
+
+    url: str  # the server's OpenAI base URL (``.../v1``), without a trailing slash
+    model: str  # the id the server knows the model by
+    api_key_env: str | None = None  # the environment variable holding the API key
+    api_key_file: str | None = None  # or the file holding it
+    connect_timeout: float = 10.0  # seconds to connect
+    read_timeout: float = 300.0  # seconds the server may stay silent (a long prompt's prefill on a busy cluster)
+    context_length: int | None = None  # what `info` reports as its max_model_len (None: unknown here)
+
+    def __post_init__(self) -> None:
+        _remote_url(self.url)
+        _text(self.model)
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("api_key_env or api_key_file, not both")
+        if self.api_key_env is not None and not self.api_key_env.replace("_", "a").isalnum():
+            raise ValueError("api_key_env names an environment variable (letters, digits, _)")
+        if not 0 < self.connect_timeout <= 3600 or not 0 < self.read_timeout <= 86400:
+            raise ValueError("the timeouts are seconds: connect_timeout in (0, 3600], read_timeout in (0, 86400]")
+
+
+def _remote_url(value: Any) -> str:
+    """An http(s) base URL without credentials, query or fragment (the key goes in api_key_env)."""
+    from urllib.parse import urlsplit
+
+    text = _text(value).strip().rstrip("/")
+    try:
+        parts = urlsplit(text)
+        parts.port  # (raises on a bad port)
+    except ValueError:
+        raise ValueError("an http(s) URL such as https://host:8000/v1") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("an http(s) URL such as https://host:8000/v1")
+    if parts.username or parts.password:
+        raise ValueError("a URL without credentials (put the key in api_key_env or api_key_file)")
+    if parts.query or parts.fragment:
+        raise ValueError("a base URL without ?query or #fragment")
+    return text
+
+
+REMOTE_KEYS: dict[str, Callable[[Any], Any]] = {
+    "url": _remote_url, "model": _text, "api_key_env": _text, "api_key_file": _path,
+    "connect_timeout": lambda v: _number(v, 0.0, 3600.0, low_open=True),
+    "read_timeout": lambda v: _number(v, 0.0, 86400.0, low_open=True),
+    "context_length": lambda v: _whole(v, 2, 2**24),
+}
+
+
 def config_path() -> Path:
     """``$LLMD_CONFIG``, else ``$XDG_CONFIG_HOME/llmd/config.toml`` (``~/.config/llmd/config.toml``)."""
     if os.environ.get(CONFIG_ENV):
@@ -317,11 +377,14 @@ def read_config_file(path: Path | None = None) -> dict[str, Any]:
         if key == "models":
             values[key] = _model_tables(value, path)
             continue
+        if key == "remote":
+            values[key] = _remote_tables(value, path)
+            continue
         option = OPTIONS.get(key)
         if option is None:
-            close = difflib.get_close_matches(key, [*OPTIONS, "models"], n=1)
+            close = difflib.get_close_matches(key, [*OPTIONS, "models", "remote"], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else \
-                f"; known keys: {', '.join(OPTIONS)}, [models.\"NAME\"]"
+                f"; known keys: {', '.join(OPTIONS)}, [models.\"NAME\"], [remote.\"NAME\"]"
             raise ConfigError(f"config file {path}: unknown key {key!r}{hint}")
         try:
             values[key] = option.parse(value)
@@ -360,6 +423,47 @@ def _model_tables(raw: Any, path: Path) -> dict[str, ModelTable]:
     return tables
 
 
+def _remote_tables(raw: Any, path: Path) -> dict[str, RemoteTable]:
+    """The file's ``[remote."NAME"]`` tables, checked, by NAME (requests match it in any case).
+
+    Raises:
+        ConfigError: not tables, a missing url, an unknown key, or a bad value (named with its table).
+    """
+    if not isinstance(raw, dict) or not all(isinstance(t, dict) for t in raw.values()):
+        raise ConfigError(f'config file {path}: remote holds tables, one per model: [remote."NAME"]')
+    tables: dict[str, RemoteTable] = {}
+    for name, table in raw.items():
+        where = f'config file {path}: [remote."{name}"]'
+        if not name.strip() or len(name) > 1024:
+            raise ConfigError(f"{where}: a remote model's name is 1 to 1024 characters")
+        fields_: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in REMOTE_KEYS:
+                close = difflib.get_close_matches(key, REMOTE_KEYS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f"; a remote table takes {', '.join(REMOTE_KEYS)}"
+                raise ConfigError(f"{where}: unknown key {key!r}{hint}")
+            try:
+                fields_[key] = REMOTE_KEYS[key](value)
+            except ValueError as e:
+                raise ConfigError(f"{where}: {key} must be {e}, got {value!r}") from None
+        if "url" not in fields_:
+            raise ConfigError(f'{where}: url is missing (the server\'s OpenAI base URL, e.g. "https://host:8000/v1")')
+        try:
+            tables[name] = RemoteTable(**{"model": name, **fields_})
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return tables
+
+
+def remote_tables(path: Path | None = None) -> dict[str, RemoteTable]:
+    """The config file's remote models (``[remote."NAME"]``), by name.
+
+    Raises:
+        ConfigError: the config file is bad.
+    """
+    return read_config_file(path).get("remote", {})
+
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -388,11 +492,12 @@ def read_env() -> dict[str, Any]:
 class Settings:
     """The effective settings: ``values[name]`` and where each came from (``sources[name]``: the
     flag, ``config file PATH``, its model's table or ``default``); ``sampling``: the served model's
-    sampling defaults (its table's)."""
+    sampling defaults (its table's); ``remotes``: the file's remote models (``[remote."NAME"]``)."""
 
     values: dict[str, Any]
     sources: dict[str, str]
     sampling: dict[str, Any] = field(default_factory=dict)
+    remotes: dict[str, RemoteTable] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
@@ -434,12 +539,13 @@ def resolve(flags: Mapping[str, Any], path: Path | None = None) -> Settings:
     # the served model's own table: over the file's settings, under the flags and the environment
     model = values["model"] if values["model"] not in (None, "", "default") else DEFAULT_MODEL_TABLE
     table = file_values.get("models", {}).get(str(model).casefold())
+    remotes = file_values.get("remote", {})
     if table is None:
-        return Settings(values, sources)
+        return Settings(values, sources, remotes=remotes)
     for name, value in table.settings.items():
         if flags.get(name) is None and name not in env_values:
             values[name], sources[name] = value, f'config file {path} [models."{model}"]'
-    return Settings(values, sources, dict(table.sampling))
+    return Settings(values, sources, dict(table.sampling), remotes)
 
 
 def setting(name: str) -> Any:

@@ -58,6 +58,10 @@ class ErrorCode:
     CANCELLED = "cancelled"  # the daemon ended the request (e.g. shutdown timeout)
     INTERNAL = "internal"  # a failure inside the daemon (e.g. a model step)
     MODEL_NOT_FOUND = "model_not_found"  # the request names a model this daemon cannot serve
+    # a remote model's server (config [remote."NAME"], daemon/remote_model.py):
+    REMOTE_UNREACHABLE = "remote_unreachable"  # no connection to it (refused, no route, TLS failed)
+    REMOTE_TIMEOUT = "remote_timeout"  # it did not connect or stayed silent beyond the table's timeouts
+    REMOTE_ERROR = "remote_error"  # it failed (5xx), refused the API key (401/403) or sent a broken stream
 
 
 class ProtocolError(Exception):

@@ -22,7 +22,7 @@ from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from llmd.client import DaemonNotRunningError, Result, ServerError
 from llmd.tui.chat_view import ChatView, PromptInput
-from llmd.tui.conversation import Conversation, ConversationStore
+from llmd.tui.conversation import ChatSettings, Conversation, ConversationStore
 from llmd.tui.dashboard import Dashboard
 from llmd.tui.screens import ChatsScreen, HelpScreen, SettingsScreen
 
@@ -47,11 +47,13 @@ class ChatApp(App[None]):
         Binding("ctrl+q", "quit", "quit", priority=True),
     ]
 
-    def __init__(self, client: Any, store: ConversationStore, stats_silence_s: float = STATS_SILENCE_S) -> None:
+    def __init__(self, client: Any, store: ConversationStore, stats_silence_s: float = STATS_SILENCE_S,
+                 model: str | None = None) -> None:
+        """``model``: the model new chats' requests name (None: the daemon's default)."""
         super().__init__()
         self.client = client
         self.store = store
-        self.conversation = Conversation()
+        self.conversation = Conversation(settings=ChatSettings(model=model or ""))
         self.own_ids: set[str] = set()  # public ids of this app's requests (highlighted on the dashboard)
         self.answer_worker: Worker[None] | None = None
         self.stats_silence_s = stats_silence_s
@@ -112,7 +114,8 @@ class ChatApp(App[None]):
         self.sub_title = str(info.get("model", ""))
         chat = self.query_one(ChatView)
         if not chat.status:  # the model's name, also where the dashboard is hidden (80 columns)
-            chat.set_status(f"connected to {info.get('model', 'llmd')} · F1 keys · F2 engine")
+            chosen = self.conversation.settings.model  # (a model other than the daemon's default: --model)
+            chat.set_status(f"connected to {chosen or info.get('model', 'llmd')} · F1 keys · F2 engine")
 
     @work(exclusive=True, group="stats")
     async def follow_stats(self) -> None:
@@ -275,14 +278,14 @@ def default_store() -> ConversationStore:
     return ConversationStore(data_dir() / "chats")
 
 
-def run_chat(connection: dict[str, Any], store: ConversationStore | None = None) -> int:
+def run_chat(connection: dict[str, Any], store: ConversationStore | None = None, model: str | None = None) -> int:
     """Run the app against the daemon of ``connection`` (its client lives in the app's event
-    loop); returns the app's exit code."""
+    loop), its chats with ``model`` (None: the daemon's default); returns the app's exit code."""
     from llmd.client import AsyncClient
 
     async def main() -> int:
         async with AsyncClient(connection=connection) as client:
-            app = ChatApp(client, store or default_store())
+            app = ChatApp(client, store or default_store(), model=model)
             await app.run_async()
             return app.return_code or 0
 

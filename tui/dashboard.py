@@ -65,8 +65,10 @@ def describe_model(info: dict[str, Any]) -> str:
 
 
 def models_part(models: list[dict[str, Any]]) -> str:
-    """`` · also b (loaded), c (unloaded)``: the daemon's other models, when it serves several."""
-    others = [f"{m.get('name', '?')} ({m.get('state', '?')})" for m in models if not m.get("default")]
+    """`` · also b (loaded), c (unloaded), d (remote, ok)``: the daemon's other models, when it serves
+    several (a remote one with its health)."""
+    others = [f"{m.get('name', '?')} (remote, {m.get('health', '?')})" if m.get("remote") else
+              f"{m.get('name', '?')} ({m.get('state', '?')})" for m in models if not m.get("default")]
     return " · also " + ", ".join(others) if others else ""
 
 

@@ -21,16 +21,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmd.config import runtime_dir
+    from llmd.config import remote_tables, runtime_dir
     from llmd.paths import read_connection_file
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise LlmdError("llmd chat needs a terminal; for one answer without it use `llmd generate PROMPT`")
     run_dir = runtime_dir(args.socket_dir)
     connection = read_connection_file(run_dir)
-    if connection is not None and args.model:
-        print(f"llmd: a daemon already serves {connection.get('model')}; --model is ignored "
-              "(`llmd stop` it first to switch)", file=sys.stderr)
+    # --model on a running daemon, or a remote model (config [remote."NAME"]): the chat's requests name
+    # it (the daemon loads it beside its default, or forwards to its server); else the daemon starts on it
+    remote = bool(args.model) and args.model.casefold() in {n.casefold() for n in remote_tables()}
+    chat_model = args.model if args.model and (connection is not None or remote) else None
     if connection is None:
         if not args.start:
             try:
@@ -42,13 +43,14 @@ def run(args: argparse.Namespace) -> int:
                 print("llmd: not started; `llmd start` starts it, `llmd chat --start` starts it and opens the chat",
                       file=sys.stderr)
                 return 1
-        start = argparse.Namespace(socket_dir=str(run_dir), model=args.model)  # the other settings: the config's
+        # (the other settings: the config's)
+        start = argparse.Namespace(socket_dir=str(run_dir), model=None if remote else args.model)
         start_background(start, progress=lambda line: print(f"  {line}", flush=True))
         connection = read_connection_file(run_dir)
         if connection is None:
             raise LlmdError("the daemon started but its connection file is gone; see `llmd status`")
     from llmd.tui.app import run_chat
 
-    code = run_chat(connection)
+    code = run_chat(connection, model=chat_model)
     print("llmd: the daemon keeps running for other clients; `llmd stop` stops it", file=sys.stderr)
     return code

@@ -60,7 +60,12 @@ def run(args: argparse.Namespace) -> int:
     except DaemonNotRunningError:
         connection = None
     model = None  # the daemon's default
-    if connection is not None and args.model is not None:
+    remote = args.model is not None and args.model.casefold() in {n.casefold() for n in settings.remotes}
+    if remote:  # a remote model (config [remote."NAME"]): the daemon forwards to its server
+        if connection is None:
+            raise LlmdError(f"{args.model} is a remote model, reached through the daemon: `llmd start` first")
+        model = args.model
+    elif connection is not None and args.model is not None:
         from llmd.daemon.model_source import resolve_model  # light: no torch
 
         if str(resolve_model(args.model, settings["models_dir"]).path) != connection.get("model_path"):

@@ -10,7 +10,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     models = sub.add_parser("models", help="list the models that can be served without a network",
                             description="The default model, models in the local Hugging Face cache and .gguf files "
                                         "in the models directory (models_dir in the config file); `--model NAME` "
-                                        "takes the names shown.")
+                                        "takes the names shown. Then the remote models of the config file "
+                                        "([remote.\"NAME\"]), which requests to the daemon name the same way.")
     models.add_argument("--models-dir", default=None, metavar="DIR", help="look here for .gguf files instead")
     models.add_argument("--json", action="store_true", help="print a JSON list")
     models.set_defaults(func=run)
@@ -19,10 +20,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from llmd.config import models_dir
+    from llmd.config import models_dir, remote_tables
     from llmd.daemon.model_catalog import list_local_models, render_table, to_json
 
     directory = Path(args.models_dir).expanduser() if args.models_dir else models_dir()
     found = list_local_models(directory)
-    print(json.dumps(to_json(found)) if args.json else render_table(found, directory))
+    remotes = remote_tables()
+    print(json.dumps(to_json(found, remotes)) if args.json else render_table(found, directory, remotes))
     return 0

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             log_to_file(Path(args.log_file))
         try:
             options = DaemonOptions.from_settings(settings.values, log_file=args.log_file,
-                                                  sampling_defaults=settings.sampling)
+                                                  sampling_defaults=settings.sampling, remotes=settings.remotes)
         except ValueError as e:
             raise LlmdError(str(e)) from None
         return serve(options, _http_front(settings), _settings_for(args))

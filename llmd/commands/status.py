@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _models_line(info: dict, stats: dict) -> str:
     """The models the daemon has built, the default first (daemon/model_set.py)."""
-    shown = [f"{m['name']} ({m['state']}{', default' if m.get('default') else ''})" for m in stats["models"]]
+    shown = [f"{m['name']} (remote at {m.get('url')}, {m.get('health')})" if m.get("remote") else
+             f"{m['name']} ({m['state']}{', default' if m.get('default') else ''})" for m in stats["models"]]
     return ", ".join(shown) + f"; at most {info.get('max_loaded_models', 1)} loaded at once"
 
 

@@ -24,6 +24,10 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     ErrorCode.CANCELLED: (503, "service_unavailable"),
     ErrorCode.INTERNAL: (500, "server_error"),
     ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),  # as OpenAI answers an unknown model
+    # a remote model's server failed us: a gateway's statuses (what a proxy in front of it would answer)
+    ErrorCode.REMOTE_UNREACHABLE: (502, "server_error"),
+    ErrorCode.REMOTE_TIMEOUT: (504, "server_error"),
+    ErrorCode.REMOTE_ERROR: (502, "server_error"),
 }
 
 

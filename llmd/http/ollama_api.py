@@ -134,9 +134,12 @@ async def _details(backend: Backend | ModelView) -> dict[str, Any]:
 async def _entry(backend: ModelView) -> dict[str, Any]:
     info = await backend.info()
     name = f"{await backend.id()}:latest"
-    return {"name": name, "model": name, "size": int(info.get("weight_bytes") or 0), "digest": "",
-            "modified_at": datetime.fromtimestamp(float(info["started"]), timezone.utc).isoformat(),
-            "details": await _details(backend)}
+    entry = {"name": name, "model": name, "size": int(info.get("weight_bytes") or 0), "digest": "",
+             "modified_at": datetime.fromtimestamp(float(info["started"]), timezone.utc).isoformat(),
+             "details": await _details(backend)}
+    if info.get("remote"):  # as Ollama lists its cloud models: the remote's id and host
+        entry.update(remote_model=str(info.get("model")), remote_host=str(info.get("url")))
+    return entry
 
 
 @router.get("/api/version")
@@ -174,7 +177,7 @@ async def running(request: Request) -> dict[str, Any]:
 async def show(body: ShowRequest, request: Request) -> dict[str, Any]:
     backend = await _backend(request).check_model(body.model or body.name)
     info = await backend.info()
-    if info["max_model_len"] is None:
+    if info["max_model_len"] is None and not info.get("remote"):
         raise HTTPError(404, f"model {body.model or body.name!r} is not loaded here (a request naming it loads it)",
                         "model_not_found", param="model")
     arch = info.get("model_type", "llama")

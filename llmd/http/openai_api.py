@@ -55,13 +55,16 @@ async def _limits(backend: Backend | ModelView, params: dict[str, Any], default_
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    """The default model, then the others the daemon has loaded (or unloaded to make room)."""
+    """The default model, then the others the daemon has loaded (or unloaded to make room), then its
+    remote models."""
     backend = _backend(request)
     info = await backend.info()
     data = [{"id": await backend.model_id(), "object": "model", "created": int(info["started"]), "owned_by": "llmd",
              "max_model_len": info["max_model_len"]}]
-    data += [{"id": m["name"], "object": "model", "created": int(info["started"]), "owned_by": "llmd",
-              "max_model_len": m.get("max_model_len")} for m in info.get("models", []) if not m.get("default")]
+    # a remote model (config [remote."NAME"]) is owned by its server: "remote" (its url is in `llmd status`)
+    data += [{"id": m["name"], "object": "model", "created": int(info["started"]),
+              "owned_by": "remote" if m.get("remote") else "llmd", "max_model_len": m.get("max_model_len")}
+             for m in info.get("models", []) if not m.get("default")]
     return {"object": "list", "data": data}
 
 
@@ -69,11 +72,11 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     view = await _backend(request).check_model(model_id)
     info = await view.info()
-    if info["max_model_len"] is None:
+    if info["max_model_len"] is None and not info.get("remote"):
         raise HTTPError(404, f"model {model_id!r} is not loaded here (a request naming it loads it)",
                         "model_not_found", param="model")
-    return {"id": await view.id(), "object": "model", "created": int(info["started"]), "owned_by": "llmd",
-            "max_model_len": info["max_model_len"]}
+    return {"id": await view.id(), "object": "model", "created": int(info["started"]),
+            "owned_by": "remote" if info.get("remote") else "llmd", "max_model_len": info["max_model_len"]}
 
 
 @router.post("/tokenize")
