@@ -173,6 +173,10 @@ class Intake:
                       context_limit: int | None, params: SamplingParams, tools: ToolRequest | None) -> LiveRequest:
         """Send a request for a remote model to its server (``accepted`` once the server answers)."""
         assert self._runner is not None  # (there are remote models, so there is a runner)
+        in_flight = sum(1 for live in self.live.values() if live.remote is not None)
+        if in_flight >= self.max_queue_len:  # (a bound on the connections a local client can make us hold)
+            raise ProtocolError(ErrorCode.OVERLOADED, f"{in_flight} requests to remote models are in flight; try "
+                                                     "again later")
         rid = msg.content["request_id"]
         path, body = remote.upstream_request(msg.content, tools, context_limit)
         key = request_key(identity, rid)

@@ -34,6 +34,7 @@ _FORWARDED_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "re
                      "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos", "response_format")
 MAX_ERROR_BODY_BYTES = 64 * 1024  # of an error answer, read for its message
 MAX_TOOL_CALLS = 128
+MAX_ANSWER_BYTES = 4 << 20  # an answer's text (characters, in fact: ~1M tokens) beyond which its stream is closed
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
 
 
@@ -57,6 +58,15 @@ class RemoteModel:
             LlmdError: its API key's variable is unset or its file unreadable (said at start, not at
                 the first request).
         """
+        key = cls._read_key(name, table)
+        if key is not None and not all(33 <= ord(c) < 127 for c in key):
+            # (an HTTP header carries it: httpx would refuse it at each request, quoting it in the error)
+            raise LlmdError(f"remote model {name}: its API key must be one word of printable ASCII characters; "
+                            f"check {'$' + table.api_key_env if table.api_key_env else table.api_key_file}")
+        return cls(name, table, key)
+
+    @staticmethod
+    def _read_key(name: str, table: RemoteTable) -> str | None:
         key = None
         if table.api_key_env is not None:
             key = os.environ.get(table.api_key_env, "").strip()
@@ -71,11 +81,15 @@ class RemoteModel:
                                 f"{e.strerror if isinstance(e, OSError) else e}") from None
             if not key:
                 raise LlmdError(f"remote model {name}: its api_key_file {table.api_key_file} is empty")
-        return cls(name, table, key)
+        return key
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    def scrub(self, text: str) -> str:
+        """``text`` without the API key (a server may quote the header it refused)."""
+        return text.replace(self._api_key, "[API key]") if self._api_key else text
 
     @property
     def host(self) -> str:
@@ -129,8 +143,9 @@ class RemoteModel:
         for name in _FORWARDED_PARAMS:
             if name in raw and raw[name] is not None:
                 body[name] = raw[name]
-        # A max_tokens that is the context limit itself (the HTTP APIs' "until the context is full")
-        # is the server's to decide: it knows the model's context, this daemon does not.
+        # A max_tokens at least the context limit (the HTTP APIs' "until the context is full") is the
+        # server's to decide: it knows the model's context and counts the prompt, this daemon does
+        # neither (so a context_limit, Ollama's num_ctx, bounds a remote request no further).
         if context_limit is not None and body.get("max_tokens", context_limit) >= context_limit:
             body.pop("max_tokens", None)
         if sources[0] == "prompt":
@@ -145,7 +160,7 @@ class RemoteModel:
 
     def error_for_status(self, status: int, body: bytes) -> ProtocolError:
         """What an HTTP error answer from the server means here (the error table in the README)."""
-        detail = _error_message(body)
+        detail = self.scrub(_error_message(body))
         where = f"the remote model {self.name} ({self.host})"
         if status in (401, 403):
             return ProtocolError(ErrorCode.REMOTE_ERROR, f"{where} refused the API key ({status}: {detail}); check "
@@ -187,9 +202,11 @@ class StreamReader:
     well-formed: anything malformed is a ``remote_error``, never an exception elsewhere."""
 
     chat: bool
+    max_bytes: int = MAX_ANSWER_BYTES  # text and tool calls' arguments, in all
     finish_reason: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
     _calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    _bytes: int = 0
 
     def feed(self, data: str) -> str:
         """A ``data:`` payload (not ``[DONE]``); returns its new text.
@@ -233,7 +250,14 @@ class StreamReader:
             if isinstance(calls, list):
                 for call in calls:
                     self._add_call(call)
+        self._spend(len(text))
         return text
+
+    def _spend(self, n: int) -> None:
+        self._bytes += n
+        if self._bytes > self.max_bytes:
+            raise ProtocolError(ErrorCode.REMOTE_ERROR, f"the remote server's answer passed {self.max_bytes >> 20} MiB "
+                                                       "(a runaway stream: it was closed)")
 
     def tool_calls(self) -> list[dict[str, str]]:
         """The calls streamed, whole: ``[{"id", "name", "arguments"}]`` as llmd's ``done`` carries them."""
@@ -253,8 +277,10 @@ class StreamReader:
         entry, fn = self._calls[index], call.get("function")
         entry["id"] = _str(call.get("id")) or entry["id"]
         if isinstance(fn, dict):
-            entry["name"] += _str(fn.get("name"))
-            entry["arguments"] += _str(fn.get("arguments"))
+            name, arguments = _str(fn.get("name")), _str(fn.get("arguments"))
+            self._spend(len(name) + len(arguments))
+            entry["name"] += name
+            entry["arguments"] += arguments
 
 
 def _broken(what: str) -> ProtocolError:

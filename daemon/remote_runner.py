@@ -14,11 +14,12 @@ can show its health before the first request, and every request's outcome update
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,10 @@ from llmd.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("llmd.server")
 
-MAX_LINE_CHARS = 4 << 20  # one SSE line: a chunk of a few tokens is ~300 bytes
+MAX_LINE_BYTES = 4 << 20  # one SSE line: a chunk of a few tokens is ~300 bytes
+MAX_PROBE_BYTES = 1 << 20  # a /models answer
 PROBE_INTERVAL_S = 30.0
+MAX_CONNECTIONS = 256  # to one remote at once (the daemon takes at most max_queue_len remote requests)
 
 
 @dataclass(eq=False, slots=True)
@@ -79,9 +82,12 @@ class RemoteRunner:
         self._loop = asyncio.new_event_loop()
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._ready = threading.Event()
+        self._failed: BaseException | None = None  # why the thread could not start
         self._thread = threading.Thread(target=self._run, name="llmd-remote", daemon=True)
         self._thread.start()
         self._ready.wait()
+        if self._failed is not None:
+            raise self._failed
 
     # ---- the loop's side -------------------------------------------------------------------------
 
@@ -109,6 +115,7 @@ class RemoteRunner:
 
     def close(self) -> None:
         """Cancel everything in flight and end the thread."""
+        self._wake = lambda: None  # (the loop's wake pipe is about to close: never written after this)
         if not self._thread.is_alive():
             return
         async def shutdown() -> None:
@@ -116,8 +123,7 @@ class RemoteRunner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for client in self._clients.values():
-                await client.aclose()
+            await asyncio.gather(*(client.aclose() for client in self._clients.values()), return_exceptions=True)
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
         except Exception:  # (closing anyway)
@@ -129,14 +135,20 @@ class RemoteRunner:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        for remote in self.remotes:
-            t = remote.table
-            self._clients[remote.name] = httpx.AsyncClient(
-                base_url=t.url, headers=remote.headers, trust_env=False,  # (no proxies from the environment)
-                timeout=httpx.Timeout(connect=t.connect_timeout, read=t.read_timeout, write=t.read_timeout,
-                                      pool=t.read_timeout),
-                limits=httpx.Limits(max_connections=256, max_keepalive_connections=32))
-            self._loop.create_task(self._probe_loop(remote))
+        try:
+            for remote in self.remotes:
+                t = remote.table
+                self._clients[remote.name] = httpx.AsyncClient(
+                    base_url=t.url, headers=remote.headers, trust_env=False,  # (no proxies from the environment)
+                    timeout=httpx.Timeout(connect=t.connect_timeout, read=t.read_timeout, write=t.read_timeout,
+                                          pool=t.read_timeout),
+                    limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=32))
+                self._loop.create_task(self._probe_loop(remote))
+        except BaseException as e:  # (said by __init__, on the daemon's thread)
+            self._failed = e
+            self._ready.set()
+            self._loop.close()
+            return
         self._loop.call_soon(self._ready.set)
         self._loop.run_forever()
         self._loop.close()
@@ -163,10 +175,7 @@ class RemoteRunner:
                     return
                 remote.health.ok(time.monotonic() - request.sent_at)
                 self._emit(RemoteEvent(request, "accepted"))
-                async for line in response.aiter_lines():
-                    if len(line) > MAX_LINE_CHARS:
-                        raise ProtocolError(ErrorCode.REMOTE_ERROR, f"the remote server sent a line of over "
-                                                                   f"{MAX_LINE_CHARS} characters")
+                async for line in sse_lines(response.aiter_bytes()):
                     if not line.startswith("data:"):
                         continue  # (comments, event names, blank lines between events)
                     data = line[5:].strip()
@@ -186,7 +195,7 @@ class RemoteRunner:
             remote.health.failing(str(e))
             self._emit(RemoteEvent(request, "error", error=e))
         except httpx.HTTPError as e:
-            error = _transport_error(remote, e)
+            error = _transport_error(remote, e, remote.table.read_timeout)
             remote.health.failing(str(error))
             self._emit(RemoteEvent(request, "error", error=error))
         except Exception as e:  # a bug must cost this request, never the runner's thread
@@ -196,41 +205,83 @@ class RemoteRunner:
 
     async def _probe_loop(self, remote: RemoteModel) -> None:
         while True:
-            await self._probe(remote)
+            try:
+                await self._probe(remote)
+            except Exception as e:  # a bug, or an answer nobody foresaw: the next probe tries again
+                log.warning("probing the remote model %s failed: %s", remote.name, remote.scrub(f"{type(e).__name__}"
+                                                                                                 f": {e}"))
             if self.probe_interval_s <= 0:
                 return
             await asyncio.sleep(self.probe_interval_s)
 
     async def _probe(self, remote: RemoteModel) -> None:
         """``GET /models``: reachable, the key taken, and the model listed."""
-        start = time.monotonic()
+        start, timeout = time.monotonic(), remote.table.connect_timeout
         try:
-            response = await self._clients[remote.name].get("/models", timeout=remote.table.connect_timeout)
+            async with self._clients[remote.name].stream("GET", "/models", timeout=timeout) as response:
+                body = b""
+                async for part in response.aiter_bytes():
+                    body += part
+                    if len(body) > MAX_PROBE_BYTES:
+                        break
         except httpx.HTTPError as e:
-            remote.health.failing(str(_transport_error(remote, e)))
+            remote.health.failing(str(_transport_error(remote, e, timeout)))
             return
         if response.status_code != 200:
-            remote.health.failing(str(remote.error_for_status(response.status_code, response.content)))
+            remote.health.failing(str(remote.error_for_status(response.status_code, body)))
             return
         try:
-            ids = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
+            data = json.loads(body).get("data")
+            ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else None
         except (ValueError, AttributeError):
-            ids = None
+            ids = None  # (not OpenAI's list: reachable and the key taken is all it says)
         listed = ids is None or remote.table.model in ids
         remote.health.ok(time.monotonic() - start, None if listed else
                          f"the server does not list {remote.table.model!r} in /models")
 
 
-def _transport_error(remote: RemoteModel, e: httpx.HTTPError) -> ProtocolError:
-    """A failure below HTTP as llmd's typed error: no connection, a timeout, or a broken exchange."""
+async def sse_lines(parts: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream. NOTE: split on ``\\n`` alone (a ``\\r`` before it
+    dropped), in bytes: a model's text may hold U+2028 or U+0085 raw inside a JSON string, where
+    str.splitlines (httpx's aiter_lines) would cut the line. A line is at most MAX_LINE_BYTES.
+
+    Raises:
+        ProtocolError: ``remote_error``: a longer line.
+    """
+    pending: list[bytes] = []  # the unfinished line's parts (joined once its end comes: no quadratic copying)
+    size = 0
+    async for part in parts:
+        if b"\n" in part:
+            *lines, rest = b"".join([*pending, part]).split(b"\n")
+            for line in lines:
+                yield line.removesuffix(b"\r").decode("utf-8", "replace")
+            pending, size = [rest], len(rest)
+        else:
+            pending.append(part)
+            size += len(part)
+        if size > MAX_LINE_BYTES:
+            raise ProtocolError(ErrorCode.REMOTE_ERROR, f"the remote server sent a line of over {MAX_LINE_BYTES >> 20} "
+                                                       "MiB: is its url an OpenAI-compatible API?")
+    if size:
+        yield b"".join(pending).removesuffix(b"\r").decode("utf-8", "replace")
+
+
+def _transport_error(remote: RemoteModel, e: httpx.HTTPError, read_timeout: float) -> ProtocolError:
+    """A failure below HTTP as llmd's typed error: no connection, a timeout, or a broken exchange.
+    ``read_timeout``: the silence the exchange allowed."""
     where, t = f"the remote model {remote.name} ({remote.host})", remote.table
     if isinstance(e, httpx.ConnectTimeout):
         return ProtocolError(ErrorCode.REMOTE_TIMEOUT, f"{where} did not accept a connection within "
                                                       f"{t.connect_timeout:g}s (connect_timeout)")
-    if isinstance(e, httpx.TimeoutException):
-        return ProtocolError(ErrorCode.REMOTE_TIMEOUT, f"{where} sent nothing for {t.read_timeout:g}s "
+    if isinstance(e, httpx.ReadTimeout):
+        return ProtocolError(ErrorCode.REMOTE_TIMEOUT, f"{where} sent nothing for {read_timeout:g}s "
                                                       "(read_timeout in its [remote] table)")
+    if isinstance(e, httpx.PoolTimeout):
+        return ProtocolError(ErrorCode.REMOTE_TIMEOUT, f"{where}: {MAX_CONNECTIONS} requests to it are in flight "
+                                                      f"and this one waited {read_timeout:g}s for a connection")
+    if isinstance(e, httpx.TimeoutException):
+        return ProtocolError(ErrorCode.REMOTE_TIMEOUT, f"{where} did not take the request within {read_timeout:g}s")
     if isinstance(e, httpx.ConnectError):
-        return ProtocolError(ErrorCode.REMOTE_UNREACHABLE, f"{where} cannot be reached ({e or type(e).__name__}): "
-                                                          f"is the server running at {t.url}?")
-    return ProtocolError(ErrorCode.REMOTE_ERROR, f"{where} broke the exchange: {type(e).__name__}: {e}")
+        return ProtocolError(ErrorCode.REMOTE_UNREACHABLE, remote.scrub(
+            f"{where} cannot be reached ({e or type(e).__name__}): is the server running at {t.url}?"))
+    return ProtocolError(ErrorCode.REMOTE_ERROR, remote.scrub(f"{where} broke the exchange: {type(e).__name__}: {e}"))

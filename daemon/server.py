@@ -208,7 +208,8 @@ class Server:
             elif name is not None and self.models.get(name) is None:
                 raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not loaded here: a generate "
                                                               "request naming it loads it")
-            self._reply(identity, ("info", self.reporter.info(self.models.get(name)), msg.msg_id))
+            else:
+                self._reply(identity, ("info", self.reporter.info(self.models.get(name)), msg.msg_id))
         elif msg.type == "tokenize":
             self.intake.tokenize(identity, msg)
         elif msg.type == "detokenize":

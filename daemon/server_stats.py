@@ -103,5 +103,6 @@ class ServerStats:
                              "prompt_tokens": request.num_prompt_tokens, "cached_tokens": 0,
                              "generated_tokens": remote.num_chunks, "tokens_per_s": rate,
                              "ttft": None if remote.first_text_at is None else remote.first_text_at - remote.sent_at,
-                             "format": None, "model": request.model_name})
+                             "format": getattr(request.params.response_format, "kind", None),
+                             "model": request.model_name})
         return {"block_map": blocks, "requests": requests}

@@ -62,6 +62,8 @@ class FakeCluster(BaseHTTPRequestHandler):
                   "fail-500": (500, "CUDA out of memory")}
         if model in errors:
             status, message = errors[model]
+            if model == "fail-401":  # as some servers do: the header it refused, quoted back
+                message += f" ({self.headers.get('Authorization')})"
             return self._json(status, {"error": {"message": message, "type": "error", "code": status}})
         if model == "hang":
             time.sleep(4)
@@ -80,6 +82,14 @@ class FakeCluster(BaseHTTPRequestHandler):
 
         if model == "broken":
             return event("{this is not json")
+        if model == "unicode":  # line and paragraph separators raw inside the JSON, as servers send them
+            self.wfile.write(("data: " + json.dumps({"choices": [{"index": 0, "text": "a\u2028b\u0085c\u2029d",
+                                                                  "finish_reason": "stop"}]}, ensure_ascii=False)
+                              + "\n\ndata: [DONE]\n\n").encode())
+            return
+        if model == "runaway":  # a line that never ends
+            self.wfile.write(b"data: " + b"x" * (6 << 20))
+            return
         if model == "cut":
             return event(chunk("half an ans"))
         try:  # "slow": a token every 50 ms for 30 s, unless the client goes
@@ -137,7 +147,8 @@ def desktop(model_dir: Path, tmp: Path, cluster, fake: str):
               'api_key_env = "CLUSTER_KEY"\n',
               f'[remote."big-no-key"]\nurl = "{conn["http"]}/v1"\nmodel = "{model_id(conn["model"])}"\n',
               f'[remote."dead"]\nurl = "http://127.0.0.1:{closed}/v1"\n']
-    for name in ("fail-401", "fail-404", "fail-400", "fail-429", "fail-500", "broken", "cut", "slow"):
+    for name in ("fail-401", "fail-404", "fail-400", "fail-429", "fail-500", "broken", "cut", "slow", "unicode",
+                 "runaway"):
         tables.append(f'[remote."{name}"]\nurl = "{fake}"\napi_key_file = "{key_file}"\n')
     tables.append(f'[remote."hang"]\nurl = "{fake}"\nread_timeout = 1\n')
     (home / "config" / "llmd" / "config.toml").write_text("\n".join(tables))
@@ -216,6 +227,7 @@ def test_openai_sdk_streams_a_local_and_a_remote_model_through_one_endpoint(clus
 
 
 def test_a_cancel_closes_the_upstream_stream(cluster, desktop) -> None:
+    FakeCluster.seen.clear()
     with Client(desktop[0]) as c:
         stream = c.generate(prompt="count", model="slow", max_tokens=1000)
         it = iter(stream)
@@ -242,6 +254,7 @@ ERRORS = [("dead", "remote_unreachable", 502, "cannot be reached"),
           ("fail-429", "overloaded", 429, "overloaded"),
           ("hang", "remote_timeout", 504, "read_timeout"),
           ("broken", "remote_error", 502, "not JSON"),
+          ("runaway", "remote_error", 502, "line of over"),
           ("cut", "remote_error", 502, "cut")]
 
 
@@ -252,11 +265,17 @@ def test_upstream_failures_are_typed_errors(desktop, name: str, code: str, statu
         with pytest.raises(ServerError) as e:
             c.generate(prompt="hi", model=name, stream=False, max_tokens=4)
     assert e.value.code == code and word in e.value.message
-    assert CLUSTER_KEY not in e.value.message and "fake-file-key" not in e.value.message
+    assert CLUSTER_KEY not in e.value.message and "fake-file-key" not in e.value.message  # (fail-401 quotes it back)
     response = httpx.post(info["http"] + "/v1/chat/completions", json={"model": name, "messages": MESSAGES},
                           headers={"Authorization": f"Bearer {DESKTOP_KEY}"}, timeout=30)
     assert response.status_code == status, response.text
     assert response.json()["error"]["code"] == code
+
+
+def test_separators_inside_the_text_do_not_cut_its_lines(desktop) -> None:
+    with Client(desktop[0]) as c:
+        assert c.generate(prompt="x", model="unicode", stream=False).text == "a\u2028b\u0085c\u2029d"
+        assert c.info("big")["remote"] is True and c.info()["name"] != "big"  # (one answer each)
 
 
 def test_what_a_remote_model_cannot_take_is_refused(desktop) -> None:
@@ -334,3 +353,71 @@ def test_a_remote_whose_key_is_unset_stops_the_start_in_one_line(model_dir: Path
     assert proc.returncode != 0
     assert "$LLMD_TEST_UNSET_KEY" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.asyncio
+async def test_llmd_chat_talks_to_a_remote_model_and_its_dashboard_shows_it(cluster, desktop, tmp_path: Path) -> None:
+    """`llmd chat --model big` against the desktop: the cluster's answer streams into the chat, the
+    request table shows it as a remote request, and the model line names the remote and its health."""
+    from llmd.client import AsyncClient
+    from llmd.tui.app import ChatApp
+    from llmd.tui.chat_view import ChatMessage, PromptInput
+    from llmd.tui.conversation import ChatSettings, ConversationStore
+    from llmd.tui.dashboard import Dashboard
+
+    question = "What is the capital of France?"
+    _, direct = greedy(cluster[0], messages=[{"role": "user", "content": question}], max_tokens=60, ignore_eos=True)
+    async with AsyncClient(socket_dir=desktop[0]) as client:
+        app = ChatApp(client, ConversationStore(tmp_path / "chats"), model="big")
+        async with app.run_test(size=(160, 48)) as pilot:
+            dashboard = app.query_one(Dashboard)
+            dashboard.redraw_interval_s = 0
+            rows: list[dict] = []
+            update = dashboard.update_stats
+
+            def record(stats: dict, own_ids: set[str]) -> None:
+                rows.extend(r for r in stats.get("requests") or [] if r.get("id") in own_ids)
+                update(stats, own_ids)
+
+            dashboard.update_stats = record
+            await _until(pilot, lambda: app.last_stats)  # subscribed
+            app.conversation.settings = ChatSettings(temperature=0.0, max_tokens=60, model="big")
+            app.client.chat = _no_eos(app.client.chat)
+            app.query_one(PromptInput).insert(question)
+            await pilot.press("enter")
+            await _until(pilot, lambda: app.answer_worker is not None and not app.answer_worker.is_running)
+            answer = app.conversation.messages[-1]
+            assert answer == {"role": "assistant", "content": direct.text}  # the cluster's own greedy answer
+            assert app.query(ChatMessage).last().source == direct.text
+            assert rows and all(r["state"] == "remote" and r["model"] == "big" for r in rows)
+            assert "big (remote, ok)" in str(app.query_one("#model-line").render())
+
+
+def _no_eos(chat):
+    """The random tiny model may end at once: a fixed length, as the direct request above."""
+    def wrapped(messages, **kwargs):
+        return chat(messages, ignore_eos=True, **kwargs)
+    return wrapped
+
+
+async def _until(pilot, predicate, timeout: float = 60.0) -> None:
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await pilot.pause(0.02)
+
+
+def test_llmd_generate_names_a_remote_model(cluster, desktop) -> None:
+    socket_dir, _, env = desktop
+    argv = [sys.executable, "-m", "llmd", "generate", "--socket-dir", str(socket_dir), "--model", "big",
+            "--temperature", "0", "--max-tokens", "12", "--raw", "Once upon a time"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    _, direct = greedy(cluster[0], prompt="Once upon a time", max_tokens=12)
+    assert proc.stdout == direct.text + "\n"
+    # with no daemon to forward it, one line says so
+    gone = subprocess.run([*argv[:5], str(socket_dir.parent / "no-daemon"), *argv[6:]], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert gone.returncode != 0 and "remote model" in gone.stderr and "Traceback" not in gone.stderr

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from llmd.config import ConfigError, RemoteTable, read_config_file
 from llmd.daemon.remote_model import RemoteModel, StreamReader
+from llmd.daemon.remote_runner import sse_lines
 from llmd.daemon.tool_calls import ToolRequest
 from llmd.errors import LlmdError
 from llmd.protocol import ErrorCode, ProtocolError
@@ -144,3 +146,39 @@ def test_remote_tables_are_checked(tmp_path: Path) -> None:
     path.write_text('remote = "big"\n')
     with pytest.raises(ConfigError, match="one per model"):
         read_config_file(path)
+
+
+@pytest.mark.parametrize("key", ["two\nlines", "sk with space", "sk-é"])
+def test_a_key_a_header_cannot_carry_is_refused_without_quoting_it(key: str, tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text(key)
+    with pytest.raises(LlmdError) as e:
+        RemoteModel.from_table("big", RemoteTable(url="http://h:1/v1", model="m", api_key_file=str(key_file)))
+    assert "printable ASCII" in str(e.value) and key not in str(e.value)
+
+
+def test_an_error_quoting_the_key_back_is_scrubbed() -> None:
+    error = remote().error_for_status(401, b'{"error": {"message": "bad key Bearer sk-secret"}}')
+    assert "sk-secret" not in str(error) and "[API key]" in str(error)
+
+
+def test_sse_lines_split_on_newlines_only_and_bound_a_line() -> None:
+    async def parts(*chunks: bytes):
+        for chunk in chunks:
+            yield chunk
+
+    async def lines(*chunks: bytes) -> list[str]:
+        return [line async for line in sse_lines(parts(*chunks))]
+
+    text = 'data: {"t": "a\u2028b\u0085c"}'.encode()
+    assert asyncio.run(lines(text[:9], text[9:] + b"\r\n\r\ndata: [DO", b"NE]")) == [
+        'data: {"t": "a\u2028b\u0085c"}', "", "data: [DONE]"]
+    with pytest.raises(ProtocolError, match="line of over"):
+        asyncio.run(lines(*[b"x" * (1 << 20)] * 5))
+
+
+def test_a_runaway_answer_is_cut() -> None:
+    reader = StreamReader(chat=True, max_bytes=10)
+    reader.feed('{"choices": [{"delta": {"content": "12345"}}]}')
+    with pytest.raises(ProtocolError, match="runaway"):
+        reader.feed('{"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "678901"}}]}}]}')
