@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import ollama
 import openai
 import pytest
 from daemon_helpers import daemon_env, fault_env, start_daemon, stop_daemon, wait_for
@@ -224,6 +225,17 @@ def test_openai_sdk_streams_a_local_and_a_remote_model_through_one_endpoint(clus
     tags = httpx.get(info["http"] + "/api/tags", headers={"Authorization": f"Bearer {DESKTOP_KEY}"}).json()
     big = next(m for m in tags["models"] if m["name"] == "big:latest")
     assert big["remote_host"] == cluster[1]["http"] + "/v1" and big["remote_model"] == model_id(cluster[1]["model"])
+
+
+def test_ollama_clients_reach_the_remote_model(cluster, desktop) -> None:
+    client = ollama.Client(host=desktop[1]["http"], headers={"Authorization": f"Bearer {DESKTOP_KEY}"})
+    assert "big:latest" in [m.model for m in client.list().models]
+    assert "completion" in client.show("big").capabilities
+    streamed = list(client.chat(model="big", messages=MESSAGES, options={"temperature": 0, "num_predict": 10},
+                                stream=True))
+    _, direct = greedy(cluster[0], messages=MESSAGES, max_tokens=10)
+    assert "".join(c.message.content for c in streamed) == direct.text and streamed[-1].done
+    assert streamed[-1].eval_count == direct.usage["completion_tokens"]
 
 
 def test_a_cancel_closes_the_upstream_stream(cluster, desktop) -> None:
