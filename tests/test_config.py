@@ -121,6 +121,19 @@ def test_config_show_prints_values_and_sources(capsys: pytest.CaptureFixture[str
     assert shown["values"]["max_queue_len"] == 9 and shown["config_file"] == str(path)
 
 
+def test_config_show_names_the_remote_models_and_where_their_keys_come_from(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BIG_KEY", "sk-never-shown")
+    write_config('[remote."big"]\nurl = "https://gpu:8000/v1"\napi_key_env = "BIG_KEY"\nread_timeout = 60\n')
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "remote model big: big at https://gpu:8000/v1, key $BIG_KEY, timeouts 10s to connect, 60s silent" in out
+    assert main(["config", "show", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["remote"]["big"]["key"] == "$BIG_KEY" and shown["remote"]["big"]["read_timeout"] == 60
+    assert "sk-never-shown" not in out + json.dumps(shown)
+
+
 def test_a_bad_file_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
     write_config("max_num_seqs = 0\n")
     assert main(["config", "show"]) == 1
