@@ -69,7 +69,7 @@ class RemoteEvent:
 
 class RemoteRunner:
     """Args:
-        remotes: the remote models, by name.
+        remotes: the remote models (a client and a health probe each).
         wake: called (from the runner's thread) when an event waits: wakes the daemon's loop.
         probe_interval_s: how often each remote's ``/models`` is probed for the health it shows
             (0: at start only).
