@@ -194,7 +194,7 @@ def test_a_remote_model_answers_as_its_server_does_streamed(cluster, desktop) ->
     assert upper.text == direct.text
 
 
-def test_tool_calls_come_back_from_the_remote(desktop) -> None:
+def test_tool_calls_and_response_formats_reach_the_remote(desktop) -> None:
     with Client(desktop[0]) as c:
         result = c.generate(messages=[{"role": "user", "content": "Weather in Paris?"}], model="big", stream=False,
                             temperature=0, max_tokens=64, tools=TOOLS,
@@ -202,6 +202,12 @@ def test_tool_calls_come_back_from_the_remote(desktop) -> None:
     assert [call["name"] for call in result.tool_calls] == ["get_weather"]
     assert isinstance(json.loads(result.tool_calls[0]["arguments"]), dict)
     assert result.tool_calls[0]["id"]
+    # a response format goes to the server, which constrains its own output
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    with Client(desktop[0]) as c:
+        result = c.generate(messages=MESSAGES, model="big", stream=False, temperature=0, max_tokens=64,
+                            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert set(json.loads(result.text)) == {"city"}
 
 
 def test_openai_sdk_streams_a_local_and_a_remote_model_through_one_endpoint(cluster, desktop) -> None:
