@@ -68,6 +68,15 @@ def _fit_context(live: LiveRequest, ids: list[int], max_request_tokens: int) -> 
     live.params.max_tokens = min(live.params.max_tokens, limit - len(ids))
 
 
+class _NoRemotes:
+    """The runner of a daemon without remote models: it has none to send to."""
+
+    remotes: list[RemoteModel] = []
+
+    def start(self, request: RemoteRequest) -> None:
+        raise RuntimeError(f"no remote models here: {request.remote.name} cannot be sent")
+
+
 def request_key(identity: bytes, request_id: str) -> str:
     """The engine's id of a client's request. NOTE: keyed by the client's identity too, so nobody
     can reach another's request."""
@@ -84,16 +93,16 @@ class Intake:
         wake: called from the worker thread when an encoding finishes (wakes the loop).
         new_public_id: names a client's new request in the stats stream.
         metrics: counts the requests refused once their prompt is encoded.
-        remotes: the remote models (by name), and the runner that sends their requests.
+        remote_runner: sends the requests for remote models (its ``remotes``); None: there are none.
     """
 
     def __init__(self, models: ModelSet, live: dict[str, LiveRequest], max_queue_len: int,
                  reply: Callable[[bytes, Reply], None], wake: Callable[[Future[list[int]]], None],
                  new_public_id: Callable[[bytes], str], metrics: RequestMetrics | None = None,
-                 remotes: tuple[list[RemoteModel], RemoteRunner] | None = None) -> None:
+                 remote_runner: RemoteRunner | None = None) -> None:
         self.models, self.live, self.max_queue_len = models, live, max_queue_len
-        self._remotes = {r.name.casefold(): r for r in remotes[0]} if remotes else {}
-        self._runner = remotes[1] if remotes else None
+        self._runner: RemoteRunner | _NoRemotes = remote_runner or _NoRemotes()
+        self._remotes = {r.name.casefold(): r for r in self._runner.remotes}
         self.metrics = metrics or RequestMetrics()
         self._reply, self._wake, self._new_public_id = reply, wake, new_public_id
         # `tokenize` and `detokenize` requests: (future, client, parent, reply type, the reply's field)
@@ -172,19 +181,18 @@ class Intake:
     def _start_remote(self, identity: bytes, msg: Message, remote: RemoteModel, stream: bool, priority: int,
                       context_limit: int | None, params: SamplingParams, tools: ToolRequest | None) -> LiveRequest:
         """Send a request for a remote model to its server (``accepted`` once the server answers)."""
-        assert self._runner is not None  # (there are remote models, so there is a runner)
         in_flight = sum(1 for live in self.live.values() if live.remote is not None)
         if in_flight >= self.max_queue_len:  # (a bound on the connections a local client can make us hold)
             raise ProtocolError(ErrorCode.OVERLOADED, f"{in_flight} requests to remote models are in flight; try "
                                                      "again later")
         rid = msg.content["request_id"]
-        path, body = remote.upstream_request(msg.content, tools, context_limit)
+        path, body = remote.upstream_request(msg.content, params, tools, context_limit)
         key = request_key(identity, rid)
         request = RemoteRequest(key, remote, path, body)
         live = LiveRequest(identity, rid, msg.msg_id, stream, 0, self._new_public_id(identity), params, None,
                            remote.name, priority, context_limit, tools=tools, remote=request)
         self.live[key] = live
-        self._runner.start(request)
+        self._runner.start(request)  # (a remote model is found only through the runner: it exists)
         return live
 
     def model_name(self, content: dict[str, Any]) -> str | None:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from llmd.config import RemoteTable
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.tool_calls import ToolRequest, new_call_id
-from llmd.errors import LlmdError, RequestError
+from llmd.errors import LlmdError
 from llmd.protocol import ErrorCode, ProtocolError, parse_messages, parse_prompt
 
 # What the server gets of a request's params, as it names them (OpenAI's, and vLLM's and SGLang's
@@ -112,10 +112,10 @@ class RemoteModel:
 
     # ---- a request ----------------------------------------------------------------------------------
 
-    def upstream_request(self, content: dict[str, Any], tools: ToolRequest | None,
+    def upstream_request(self, content: dict[str, Any], params: SamplingParams, tools: ToolRequest | None,
                          context_limit: int | None) -> tuple[str, dict[str, Any]]:
         """The server's path and body for a ``generate`` (checked by the intake already for its
-        common fields), streamed with usage.
+        common fields; ``params``: its params as the intake checked them), streamed with usage.
 
         Raises:
             ProtocolError: ``bad_request``: what a remote model cannot take (token ids: they are a
@@ -127,11 +127,7 @@ class RemoteModel:
         if sources[0] == "token_ids":
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.name} is a remote model: send it a prompt or messages "
                                                       "(token ids are a local tokenizer's)")
-        raw = content.get("params") or {}
-        try:
-            params = SamplingParams(**raw)  # checked as a local request's are (the intake did: the same)
-        except (RequestError, TypeError) as e:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        raw = content.get("params") or {}  # (what the request set: ``params`` is it, checked)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"{self.name} is a remote model: {name} is not available "

@@ -87,8 +87,7 @@ class Server:
         os.set_blocking(self._wake_w, False)
         self.remote_runner = RemoteRunner(remotes, lambda: self._wake(None)) if remotes else None
         self.intake = Intake(models, self.live, config.max_queue_len, self.transport.queue, self._wake,
-                             self.reporter.new_public_id, self.reporter.requests,
-                             (remotes, self.remote_runner) if remotes and self.remote_runner else None)
+                             self.reporter.new_public_id, self.reporter.requests, self.remote_runner)
         self.stopping = False
         self.drain_deadline: float | None = None
         self.num_step_failures = 0

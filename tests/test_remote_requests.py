@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmd.config import ConfigError, RemoteTable, read_config_file
+from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.remote_model import RemoteModel, StreamReader
 from llmd.daemon.remote_runner import sse_lines
 from llmd.daemon.tool_calls import ToolRequest
@@ -25,23 +26,28 @@ def remote(**table) -> RemoteModel:
                        api_key="sk-secret")
 
 
+def upstream(content: dict, tools: ToolRequest | None, context_limit: int | None) -> tuple[str, dict]:
+    """The request as the intake hands it over: its params checked into SamplingParams."""
+    return remote().upstream_request(content, SamplingParams(**content.get("params", {})), tools, context_limit)
+
+
 def test_a_chat_becomes_a_streamed_chat_completion_with_only_what_was_set() -> None:
     content = {"messages": [{"role": "user", "content": "hi"}],
                "params": {"temperature": 0.2, "top_k": 5, "stop": ["\n"], "max_tokens": 64}}
-    path, body = remote().upstream_request(content, None, None)
+    path, body = upstream(content, None, None)
     assert path == "/chat/completions"
     assert body == {"model": "org/Big-70B", "stream": True, "stream_options": {"include_usage": True},
                     "messages": [{"role": "user", "content": "hi"}], "temperature": 0.2, "top_k": 5,
                     "stop": ["\n"], "max_tokens": 64}
-    path, body = remote().upstream_request({"prompt": "Once", "params": {}}, None, None)
+    path, body = upstream({"prompt": "Once", "params": {}}, None, None)
     assert path == "/completions" and body["prompt"] == "Once" and "temperature" not in body
 
 
 def test_a_max_tokens_that_is_the_context_limit_is_left_to_the_server() -> None:
     content = {"prompt": "x", "params": {"max_tokens": 1 << 24}}
-    assert "max_tokens" not in remote().upstream_request(content, None, 1 << 24)[1]  # "until the context is full"
+    assert "max_tokens" not in upstream(content, None, 1 << 24)[1]  # "until the context is full"
     content = {"prompt": "x", "params": {"max_tokens": 100}}
-    assert remote().upstream_request(content, None, 4096)[1]["max_tokens"] == 100  # asked for: sent
+    assert upstream(content, None, 4096)[1]["max_tokens"] == 100  # asked for: sent
 
 
 def test_tools_and_the_choice_go_as_openai_names_them() -> None:
@@ -49,7 +55,7 @@ def test_tools_and_the_choice_go_as_openai_names_them() -> None:
     for choice, sent in ((None, "auto"), ("required", "required"),
                          ({"type": "function", "function": {"name": "get_weather"}},
                           {"type": "function", "function": {"name": "get_weather"}})):
-        _, body = remote().upstream_request(content, ToolRequest.parse(TOOLS, choice), None)
+        _, body = upstream(content, ToolRequest.parse(TOOLS, choice), None)
         assert body["tool_choice"] == sent and body["tools"][0]["function"]["name"] == "get_weather"
 
 
@@ -63,7 +69,7 @@ def test_tools_and_the_choice_go_as_openai_names_them() -> None:
 ])
 def test_what_a_remote_cannot_take_is_a_bad_request(content: dict, word: str) -> None:
     with pytest.raises(ProtocolError) as e:
-        remote().upstream_request(content, None, None)
+        upstream(content, None, None)
     assert e.value.code == ErrorCode.BAD_REQUEST and word in str(e.value)
 
 
