@@ -161,7 +161,8 @@ def serve(opts: DaemonOptions, companion: Companion | None = None,
 
 def _estimate_bytes(source: Any, kv_cache_mb: int | None) -> int:
     """A model's weights and KV pool before it is loaded: its files' size (what a GGUF holds; a float
-    checkpoint shrinks when quantised, so this errs high) and its KV setting (else the CPU default)."""
+    checkpoint shrinks when quantised, so this errs high) and its KV setting (else what the CPU
+    default lets the prefix cache hold resident: served_model.footprint counts the same)."""
     from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes
 
     path = source.path
@@ -199,6 +200,9 @@ def _load_served(name: str, args: EngineArgs, sampling_defaults: Mapping[str, An
             "kv_cache_tokens": engine.num_blocks * args.block_size,
             # reserved, not resident: its pages are taken as blocks fill (model_runner.new_kv_cache)
             "kv_cache_bytes": sum(t.nbytes for pair in engine.runner.kv_caches for t in pair),
+            # the blocks the prefix cache may make resident (kv_budget.cpu_kv_pool); only sequences
+            # running at once take more
+            "kv_cache_target_blocks": engine.kv.pool.resident_target,
             "draft_model": resolved.draft_source.name if resolved.draft_source is not None else None,
             "chat_template": bool(getattr(runtime.tokenizer, "chat_template", None)),
             "tools": call_style(runtime.tokenizer) is not None,  # its template renders tools

@@ -220,7 +220,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "attention kernels: auto is Triton on CUDA, the native cpu kernel on the CPU (torch if it cannot "
            "be built); torch is the reference"),
     Option("kv_cache_mb", None, lambda v: _whole(v, 1, 2**24),  # 16 TiB
-           "memory for the KV cache in MiB (default: CPU 1024, at most a quarter of free RAM; GPU what "
+           "memory for the KV cache in MiB (default: CPU what max_num_seqs whole contexts need, at most a "
+           "quarter of free RAM, reserved, the prefix cache keeping at most 1024 resident; GPU what "
            "gpu_memory_fraction leaves)", "MIB", "(sized at start)"),
     Option("gpu_memory_fraction", 0.8, lambda v: _number(v, 0.0, 1.0, low_open=True),
            "share of the GPU's memory llmd may use; the rest is left to the desktop", "F"),

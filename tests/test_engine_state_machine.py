@@ -43,7 +43,7 @@ def check_block_accounting(engine) -> None:
         owners.update(seq.block_ids)
     for seq in engine.scheduler.waiting:
         assert seq.block_ids == [], "a waiting sequence holds blocks"
-    free = [b.block_id for b in pool.free_queue]
+    free = pool.free_block_ids()
     assert len(free) == len(set(free)), "a block is in the free queue twice"
     assert len(free) == pool.num_free_blocks
     for block in pool.blocks:
@@ -52,9 +52,11 @@ def check_block_accounting(engine) -> None:
     for block_hash, block in pool.cached.items():
         assert block.block_hash == block_hash
     assert pool.num_cached_free == sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+    # every block held or holding a prefix was handed out, and no more than the pool has
+    assert sum(1 for b in pool.blocks if b.ref_cnt or b.block_hash is not None) <= pool.num_touched <= pool.num_blocks
     if engine.drafter is not None:  # the draft model's pool: every block held once or free
         held = engine.drafter.held_block_ids()
-        draft_free = [b.block_id for b in engine.drafter.pool.free_queue]
+        draft_free = engine.drafter.pool.free_block_ids()
         assert len(set(held)) == len(held) and not set(held) & set(draft_free), "a draft block held twice or free"
         assert len(held) + len(draft_free) == engine.drafter.num_blocks, "a draft block lost"
 

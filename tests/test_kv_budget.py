@@ -12,9 +12,32 @@ from tiny_models import make_engine, make_hf_model, save_hf_model
 
 from llmd.daemon.engine import kv_budget
 from llmd.daemon.engine.engine import EngineConfig
-from llmd.daemon.engine.kv_budget import GPU_MARGIN_BYTES, gpu_kv_budget_bytes, measure_gpu_kv_budget
+from llmd.daemon.engine.kv_budget import GPU_MARGIN_BYTES, cpu_kv_pool, gpu_kv_budget_bytes, measure_gpu_kv_budget
 
 GIB = 1 << 30
+
+
+MIB = 1 << 20
+
+
+def test_cpu_pool_by_default_reserves_whole_contexts_and_caches_one_gib(monkeypatch) -> None:
+    monkeypatch.setattr(kv_budget, "available_ram_bytes", lambda: 16 * GIB)
+    # a 3B's 1.75 MiB blocks (16 tokens of 28 layers x 8 KV heads x 128 x bf16 K and V): 64 sequences of
+    # 8k want 32,768 blocks; a quarter of 16 GiB reserves 2,340 of them (40k tokens: the flat 1 GiB pool
+    # held 9,360); the prefix cache keeps 585 (1 GiB) resident
+    assert cpu_kv_pool(None, 1792 * 1024, 64 * 512) == (4 * GIB // (1792 * 1024), GIB // (1792 * 1024))
+    # a small model: every whole context fits in less than a quarter of the RAM, and in the cache's 1 GiB
+    assert cpu_kv_pool(None, 64 * 1024, 2 * 100) == (200, 200)
+    # little RAM: the reservation and the cache share a quarter of what is available
+    monkeypatch.setattr(kv_budget, "available_ram_bytes", lambda: 2 * GIB)
+    assert cpu_kv_pool(None, MIB, 10_000) == (512, 512)
+
+
+def test_cpu_pool_of_a_given_size_is_all_cache(monkeypatch) -> None:
+    monkeypatch.setattr(kv_budget, "available_ram_bytes", lambda: 16 * GIB)
+    assert cpu_kv_pool(2048, MIB, 10_000) == (2048, 2048)
+    assert cpu_kv_pool(2048, MIB, 300) == (300, 300)  # more than whole contexts is never used
+    assert cpu_kv_pool(1, 4 * MIB, 300) == (1, 1)  # at least a block
 
 
 def test_gpu_budget_within_fraction() -> None:

@@ -30,7 +30,8 @@ def ref_cnts(kv: KVCacheManager) -> list[int]:
 
 
 def free_ids(kv: KVCacheManager) -> list[int]:
-    return [b.block_id for b in kv.pool.free_queue]
+    """The free blocks in the order the pool would hand them out."""
+    return kv.pool.free_block_ids()
 
 
 def test_allocation_takes_blocks_in_order_and_free_returns_tail_first() -> None:
@@ -45,8 +46,9 @@ def test_allocation_takes_blocks_in_order_and_free_returns_tail_first() -> None:
     kv.free(a)
     assert a.block_ids == []
     assert ref_cnts(kv) == [0] * 10
-    # Never-used blocks first, then a's blocks tail first: the prefix head is evicted last.
-    assert free_ids(kv) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    # a's partial block first (written before, it holds nothing), then never-used blocks, then a's
+    # cached blocks tail first: the prefix head is evicted last.
+    assert free_ids(kv) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
     assert kv.usage.num_cached_free == 2
 
 
@@ -72,13 +74,14 @@ def test_hit_on_a_freed_block_takes_it_back_from_the_free_queue() -> None:
     a = seq("a", list(range(20)))
     admit(kv, a)
     kv.free(a)
-    assert free_ids(kv) == [2, 3, 1, 0]
+    assert free_ids(kv) == [1, 2, 3, 0]
     b = seq("b", list(range(16)) + [99, 98])
     admit(kv, b)
-    assert b.block_ids == [0, 2]  # block 0 reused (hit), block 2 is the queue head
-    assert free_ids(kv) == [3, 1]
-    assert kv.usage.num_cached_free == 0  # block 1 held a partial block: never hashed
-    assert kv.pool.blocks[1].block_hash is None
+    assert b.block_ids == [0, 1]  # block 0 reused (hit), block 1 (a's partial one, empty now) next
+    assert free_ids(kv) == [2, 3]
+    assert kv.usage.num_cached_free == 0
+    assert kv.pool.blocks[1].block_hash is None  # b's partial block: not hashed
+    assert kv.usage.num_touched == 2  # blocks 2 and 3 were never handed out
 
 
 @pytest.fixture
@@ -93,11 +96,12 @@ def full_pool() -> KVCacheManager:
 
 def test_eviction_takes_the_least_recently_freed_cached_block(full_pool: KVCacheManager) -> None:
     kv = full_pool
-    # a held [0, 1], b held [2, 3]; freed tail first: queue = 1, 0, 3, 2.
-    assert free_ids(kv) == [1, 0, 3, 2]
-    c = seq("c", list(range(500, 520)))
-    kv.allocate_slots(c, 20)
-    assert c.block_ids == [1, 0]
+    # a held [0, 1] (its prefix in 0); b took the empty 1 back and the fresh 2 (its prefix in 1);
+    # freed tail first: the empty 2, the fresh 3, then the cached 0 and 1, least recently freed first.
+    assert free_ids(kv) == [2, 3, 0, 1]
+    c = seq("c", list(range(500, 540)))
+    kv.allocate_slots(c, 40)
+    assert c.block_ids == [2, 3, 0]
     assert kv.pool.blocks[0].block_hash is None  # a's prefix was evicted ...
     assert kv.get_computed_blocks(seq("b2", list(range(100, 116)) + [5]))[1] == 16  # ... b's survives
     assert kv.get_computed_blocks(seq("a2", list(range(0, 16)) + [5]))[1] == 0
@@ -105,7 +109,7 @@ def test_eviction_takes_the_least_recently_freed_cached_block(full_pool: KVCache
 
 def test_failed_allocation_changes_nothing(full_pool: KVCacheManager) -> None:
     kv = full_pool
-    s = seq("big", list(range(100, 116)) + list(range(70)))  # hits block 2, needs 5 more blocks
+    s = seq("big", list(range(100, 116)) + list(range(70)))  # hits block 1, needs 5 more blocks
     blocks, n = kv.get_computed_blocks(s)
     before = (ref_cnts(kv), free_ids(kv), dict(kv.pool.cached), kv.usage)
     assert kv.allocate_slots(s, s.num_tokens - n, blocks) is None
@@ -162,3 +166,56 @@ def test_double_free_is_caught() -> None:
     pool.free_blocks([block])
     with pytest.raises(RuntimeError, match="double free"):
         pool.free_blocks([block])
+
+
+def test_requests_one_after_another_reuse_the_same_blocks() -> None:
+    # No prefix to keep (caching off, as a draft model's pool): each request takes the blocks the last
+    # one wrote, so the pool's resident memory stays one request's. A FIFO over the free blocks walked
+    # the whole pool (20 requests x 3 blocks: all 50 touched).
+    kv = KVCacheManager(num_blocks=50, block_size=BS, prefix_cache=False)
+    for i in range(20):
+        s = seq(f"r{i}", list(range(1000 * i, 1000 * i + 40)))
+        admit(kv, s)
+        kv.free(s)
+    assert kv.usage.num_touched == 3
+
+
+def test_the_prefix_cache_stays_within_its_resident_target_but_running_sequences_do_not() -> None:
+    kv = KVCacheManager(num_blocks=20, block_size=BS, resident_target=6)
+    # distinct prompts of 2 full blocks + 1 token, one after another: the cache grows to the target,
+    # then evicts its oldest prefix instead of writing another block
+    for i in range(10):
+        s = seq(f"r{i}", list(range(1000 * i, 1000 * i + 33)))
+        admit(kv, s)
+        kv.free(s)
+        # (each request takes the last one's partial block back, then two fresh ones)
+        assert kv.usage.num_touched == min(6, 1 + 2 * (i + 1))
+    assert kv.usage.num_cached_free == 5  # 6 blocks: 5 of them cached prefixes, 1 empty
+    assert kv.get_computed_blocks(seq("last", list(range(9000, 9032)) + [1]))[1] == 32  # r9's, kept
+    assert kv.get_computed_blocks(seq("first", list(range(0, 32)) + [1]))[1] == 0  # r0's, evicted
+    # sequences running at once are never refused for the target: all 20 blocks serve them
+    held = [seq(f"big{i}", list(range(50_000 + 100 * i, 50_000 + 100 * i + 64))) for i in range(5)]
+    for s in held:
+        admit(kv, s)
+    assert kv.usage.num_used == 20 and kv.usage.num_touched == 20
+
+
+def test_forgetting_the_cache_makes_every_block_fresh_again() -> None:
+    # an idle unload frees the cache's memory: the next one is written from its first block again
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    for i in range(3):
+        s = seq(f"r{i}", list(range(100 * i, 100 * i + 20)))
+        admit(kv, s)
+        kv.free(s)
+    assert kv.usage.num_touched == 4
+    kv.pool.forget_cached()
+    assert kv.usage.num_touched == 0 and free_ids(kv) == list(range(8)) and not kv.pool.cached
+    s = seq("after", list(range(20)))
+    admit(kv, s)
+    assert s.block_ids == [0, 1] and kv.usage.num_touched == 2
+
+
+@pytest.mark.parametrize("target", [0, 9, -1])
+def test_a_resident_target_outside_the_pool_is_refused(target: int) -> None:
+    with pytest.raises(ValueError, match="resident_target must be in 1..8"):
+        BlockPool(8, resident_target=target)

@@ -94,6 +94,7 @@ class DraftModel:
         """Free the model and its cache; what was held is forgotten (its K/V are gone)."""
         for request_id in list(self._held):
             self.release(request_id)
+        self.pool.forget_cached()  # the next cache's memory is new: every block fresh again
         self.model, self.kv_caches = None, []
 
     def release(self, request_id: str) -> None:

@@ -18,7 +18,7 @@ from llmd.daemon.calibration_text import calibration_ids
 from llmd.daemon.engine.detokenizer import RequestDetokenizer
 from llmd.daemon.engine.draft_model import DraftModel, forward_cost
 from llmd.daemon.engine.key_centres import CENTRE_TOKENS, measure_key_centres
-from llmd.daemon.engine.kv_budget import cpu_kv_budget_bytes, measure_gpu_kv_budget
+from llmd.daemon.engine.kv_budget import cpu_kv_pool, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
 from llmd.daemon.engine.model_runner import ModelRunner, bind_decode_step, kv_block_bytes
@@ -54,8 +54,9 @@ class EngineConfig:
 
     Attributes:
         block_size: tokens per KV block.
-        kv_cache_mb: memory for the KV pool; default: 1 GiB on the CPU, capped at a quarter of
-            the available RAM; on a GPU, what ``gpu_memory_fraction`` leaves (daemon/engine/kv_budget.py).
+        kv_cache_mb: memory for the KV pool; default on the CPU: what ``max_num_seqs`` whole contexts
+            need, at most a quarter of the available RAM, reserved, of which the prefix cache keeps at
+            most 1 GiB resident; on a GPU, what ``gpu_memory_fraction`` leaves (daemon/engine/kv_budget.py).
         gpu_memory_fraction: the share of the GPU's memory llmd may use in all (weights,
             activations, KV pool); the rest stays for the desktop.
         num_blocks: exact pool size (overrides ``kv_cache_mb``; tests use tiny pools).
@@ -163,9 +164,9 @@ class LLMEngine:
             model.centre_keys(self._key_centres)
         self.runner: ModelRunner | None = ModelRunner(model, config.block_size, config.max_num_seqs, self.max_model_len,
                                                         config.cuda_graphs, self.cache_dtype)
-        self.num_blocks = config.num_blocks or self._blocks_for_budget()
+        self.num_blocks, resident_target = self._pool_size()
         self._start_runner()
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.prefix_cache)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.prefix_cache, resident_target)
         # --speculative draft: the draft model, its cache as many tokens as the target's, and what one of
         # its passes costs next to a target step (each draft token is one pass; an estimate from the
         # models' shapes, which tests set to 0 to draft whatever it costs)
@@ -272,16 +273,19 @@ class LLMEngine:
             raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is smaller than "
                              f"the model's ({self.vocab_size}): a draft model must share the model's tokenizer")
 
-    def _blocks_for_budget(self) -> int:
+    def _pool_size(self) -> tuple[int, int]:
+        """The KV pool's blocks, and how many of them the prefix cache may make resident (kv_budget)."""
         cfg = self.config
-        if self.runner.device.type == "cuda":
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never used
+        if cfg.num_blocks:
+            return cfg.num_blocks, cfg.num_blocks
+        per_block = kv_block_bytes(self.model, cfg.block_size, self.cache_dtype)
+        if self.runner.device.type == "cuda":  # memory taken at once: nothing to save by holding back
             budget = measure_gpu_kv_budget(self.runner, cfg.kv_cache_mb, cfg.max_batched_tokens,
                                            cfg.max_num_seqs, cfg.gpu_memory_fraction)
-        else:
-            budget = cpu_kv_budget_bytes(cfg.kv_cache_mb)
-        per_block = kv_block_bytes(self.model, cfg.block_size, self.cache_dtype)
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)  # more is never used
-        return max(1, min(budget // per_block, useful))
+            blocks = max(1, min(budget // per_block, useful))
+            return blocks, blocks
+        return cpu_kv_pool(cfg.kv_cache_mb, per_block, useful)
 
     @property
     def max_request_tokens(self) -> int:
@@ -527,6 +531,7 @@ class LLMEngine:
             num_blocks_used=usage.num_used,
             num_blocks_cached_free=usage.num_cached_free,
             num_blocks_free=usage.num_free,
+            num_blocks_touched=usage.num_touched,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_preemptions=sched.num_preemptions,

@@ -1,6 +1,10 @@
 """How much memory the paged KV pool gets: the rest of the device once weights and activations fit.
 
-CPU: ``--kv-cache-mb``, or 1 GiB capped at a quarter of the available RAM (the desktop keeps the rest).
+CPU: ``--kv-cache-mb``; by default, what ``max_num_seqs`` sequences of the whole context need, at most
+a quarter of the RAM available at start (the desktop keeps the rest). The pool is reserved, not
+written (model_runner.new_kv_cache), so a large reservation costs nothing until blocks fill; by default
+the prefix cache may keep 1 GiB of it resident (:func:`cpu_kv_pool`, block_pool.BlockPool), and only
+sequences running at once take more.
 
 CUDA: ``--kv-cache-mb`` if given, checked against the free memory. Otherwise, after the weights are
 loaded, the model runner runs the largest step the scheduler can make
@@ -32,7 +36,24 @@ def available_ram_bytes() -> int:
 
 
 def cpu_kv_budget_bytes(kv_cache_mb: int | None) -> int:
+    """What the prefix cache keeps resident at most (``kv_cache_mb`` if given, else 1 GiB, at most a
+    quarter of the available RAM): the memory a loaded model's pool holds in ordinary use."""
     return (kv_cache_mb or min(DEFAULT_CPU_KV_CACHE_MB, available_ram_bytes() // 4 >> 20)) << 20
+
+
+def cpu_kv_pool(kv_cache_mb: int | None, block_bytes: int, useful_blocks: int) -> tuple[int, int]:
+    """The CPU pool as ``(blocks, resident_target)``: how many blocks it reserves, and how many of them
+    the prefix cache may make resident before it evicts (block_pool.BlockPool).
+
+    ``kv_cache_mb`` given: that much, all of it for the cache too. Default: ``useful_blocks`` (what
+    max_num_seqs whole contexts fill; more is never used), at most a quarter of the available RAM; the
+    cache keeps :func:`cpu_kv_budget_bytes` of it. Never fewer than one block.
+    """
+    if kv_cache_mb is not None:
+        blocks = max(1, min((kv_cache_mb << 20) // block_bytes, useful_blocks))
+        return blocks, blocks
+    blocks = max(1, min(available_ram_bytes() // 4 // block_bytes, useful_blocks))
+    return blocks, max(1, min(cpu_kv_budget_bytes(None) // block_bytes, blocks))
 
 
 def gpu_kv_budget_bytes(total: int, free: int, peak_reserved: int, reserved: int, fraction: float) -> int:

@@ -24,6 +24,7 @@ class KVCacheUsage:
     num_used: int  # held by at least one sequence
     num_cached_free: int  # free, but holding a reusable prefix
     num_free: int  # includes the cached-free ones
+    num_touched: int = 0  # handed out at least once since the cache's memory was made (resident, on the CPU)
 
     @property
     def usage(self) -> float:
@@ -41,12 +42,15 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         prefix_cache: reuse computed blocks across requests.
+        resident_target: blocks the prefix cache may grow the pool's resident memory to (default:
+            all; :class:`BlockPool`).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True,
+                 resident_target: int | None = None) -> None:
         self.block_size = block_size
         self.prefix_cache = prefix_cache
-        self.pool = BlockPool(num_blocks, enable_caching=prefix_cache)
+        self.pool = BlockPool(num_blocks, enable_caching=prefix_cache, resident_target=resident_target)
         self._num_cached_blocks: dict[str, int] = {}  # request id -> blocks already indexed
 
     @property
@@ -56,7 +60,8 @@ class KVCacheManager:
     @property
     def usage(self) -> KVCacheUsage:
         free = self.pool.num_free_blocks
-        return KVCacheUsage(self.pool.num_blocks, self.pool.num_blocks - free, self.pool.num_cached_free, free)
+        return KVCacheUsage(self.pool.num_blocks, self.pool.num_blocks - free, self.pool.num_cached_free, free,
+                            self.pool.num_touched)
 
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extend ``seq.block_hashes`` to cover every full block of its tokens."""

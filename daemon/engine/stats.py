@@ -28,6 +28,8 @@ class EngineStats:
     num_verifications: int = 0
     num_draft_tokens_total: int = 0
     num_accepted_draft_tokens_total: int = 0
+    # blocks handed out at least once since the KV cache was made: on the CPU, the pool's resident part
+    num_blocks_touched: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float | None:

@@ -94,6 +94,9 @@ def _memory_line(info: dict, stats: dict) -> str:
     text = f"{rss / 2**20:.0f} MiB resident" if rss else "resident size unknown"
     if pool:
         text += f"; the KV pool reserves {pool / 2**20:.0f} MiB, resident as its blocks fill"
+        blocks, touched = info.get("kv_cache_blocks"), stats.get("num_blocks_touched")
+        if blocks and touched is not None:
+            text += f" ({pool * touched // blocks / 2**20:.0f} MiB so far)"
     return text
 
 
