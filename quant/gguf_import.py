@@ -51,9 +51,26 @@ def _repack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((low, high), dim=-1).reshape(qs.shape[0], -1)
 
 
-def import_q8_0(raw: np.ndarray) -> Int8Weight:
+# Rows import_q8_0 moves at once: the only memory it takes beside the blocks.
+COMPACT_ROWS = 4096
+
+
+def import_q8_0(raw: np.ndarray, consume: bool = False) -> Int8Weight:
+    """The blocks as llmd's INT8 weight. ``consume`` (the loader's fresh copy of a tensor): the int8
+    values are moved down over the fp16 scales in ``raw``'s own memory (row ``r`` to ``r * K``, never
+    past where row ``r`` began), a chunk of rows at a time, so no second copy of the weight stands
+    beside the blocks (a Llama 3.2 3B's Q8_0 table is 418 MB); the weight keeps that memory, 1/17 of
+    it unused, and ``raw`` holds it. Else ``raw`` is left as it was."""
     b = _blocks(raw, 34)
-    return Int8Weight(b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1), _fp16(b[..., 0:2]), BLOCK)
+    n, nb = b.shape[0], b.shape[1]
+    scales = _fp16(b[..., 0:2])
+    if not consume:
+        return Int8Weight(b[..., 2:].contiguous().view(torch.int8).reshape(n, -1), scales, BLOCK)
+    flat = b.view(-1).view(torch.int8)
+    for r0 in range(0, n, COMPACT_ROWS):
+        r1 = min(n, r0 + COMPACT_ROWS)
+        flat[r0 * nb * BLOCK:r1 * nb * BLOCK].copy_(b[r0:r1, :, 2:].contiguous().view(-1).view(torch.int8))
+    return Int8Weight(flat[:n * nb * BLOCK].view(n, nb * BLOCK), scales, BLOCK)
 
 
 def import_q4_0(raw: np.ndarray) -> Int4Weight:

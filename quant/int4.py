@@ -88,11 +88,12 @@ class Int4Linear(QuantizedLinear):
         self.in_features, self.out_features = in_features, out_features
         self.group_size, self.symmetric = group_size, symmetric
         groups = in_features // group_size
-        # (empty: a layer loaded from GGUF blocks straight into the native layout never writes it;
-        # load_weights refuses a checkpoint that leaves rows unloaded)
+        # (empty, never zeroed: a layer loaded from GGUF blocks straight into the native layout never
+        # writes them, and a page of them written is resident: zeros made a 3B's scales and mins
+        # ~350 MiB of a load's peak; load_weights refuses a checkpoint that leaves rows unloaded)
         self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(out_features, groups, dtype=torch.float16))
-        self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float16))
+        self.register_buffer("mins", torch.empty(out_features, groups, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_path = "reference"  # set by prepare()
         self.native: quant_cpu.PackedWeight | None = None  # the `native` path's weight (its tensors are buffers)

@@ -36,15 +36,18 @@ class Int8Head:
         q8: the head's blocks.
         kernel: ``native`` or ``triton`` (see the module).
         device, dtype: where the model runs and its activations' dtype (``triton``).
+        consume: the native kernel's layout may be made in ``q8``'s own memory (a load's peak is then
+            the head once, not twice); ``q8`` is not a weight any more after.
     """
 
     matmul: quant_cpu.PackedWeight | FusedMatmul  # the kernel's own form of the blocks
 
-    def __init__(self, q8: Int8Weight, kernel: HeadKernel, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, q8: Int8Weight, kernel: HeadKernel, device: torch.device, dtype: torch.dtype,
+                 consume: bool = False) -> None:
         self.kernel = kernel  # fixed for the object's life: use_triton_kernels() builds a new one
         self.group_size = q8.group_size
         if kernel == "native":
-            self.matmul = quant_cpu.PackedWeight.from_int8(q8)
+            self.matmul = quant_cpu.PackedWeight.from_int8(q8, consume=consume)
         elif kernel == "triton":
             from llmd.kernels.quant_matmul_triton import fused_int8  # imports triton: only where it runs
 
@@ -54,13 +57,15 @@ class Int8Head:
             raise ValueError(f"an INT8 head runs on the native or the triton kernel, not {kernel!r}")
 
     @classmethod
-    def for_device(cls, q8: Int8Weight, device: torch.device, dtype: torch.dtype) -> Int8Head | None:
+    def for_device(cls, q8: Int8Weight, device: torch.device, dtype: torch.dtype,
+                   consume: bool = False) -> Int8Head | None:
         """The head on the kernel for ``device``: Triton on CUDA, native on a CPU where the library
-        builds; None where neither runs (the dense copy is the head then)."""
+        builds; None where neither runs (the dense copy is the head then). ``consume``: as the
+        constructor's, for the native kernel only (``q8`` stays whole otherwise)."""
         if device.type == "cuda":
             return cls(q8, "triton", device, dtype)
         if q8.group_size % quant_cpu.QK == 0 and quant_cpu.cpu_path(torch.float32, q8.shape[1]) == "native":
-            return cls(q8, "native", device, dtype)
+            return cls(q8, "native", device, dtype, consume=consume)
         return None
 
     def weight(self) -> Int8Weight:

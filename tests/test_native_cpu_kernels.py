@@ -143,6 +143,20 @@ def test_repacking_is_lossless(n: int) -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("n", [8, 40, 13])
+def test_repacking_in_place_equals_repacking_by_copy(n: int, monkeypatch) -> None:
+    """The INT8 layout made in the weight's own memory (a chunk of 16 rows at a time here, so the 40
+    rows take three chunks, the last one short) is the copying repack's, byte for byte; rows in no
+    whole groups of 8 are repacked by copy."""
+    monkeypatch.setattr(quant_cpu, "IN_PLACE_ROWS", 16)
+    q8 = quantize_int8(torch.randn(n, 256, generator=torch.Generator().manual_seed(n)), 32)
+    want = quant_cpu.repack_q8x8(q8.qweight, q8.scales)
+    weight = q8.qweight.clone()
+    got = quant_cpu.repack_q8x8_in_place(weight, q8.scales)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert (got[0].data_ptr() == weight.data_ptr()) == (n % 8 == 0)  # its own memory, when it can
+
+
 def test_the_q8_reference_is_close_to_the_dequantised_matmul() -> None:
     """Quantising activations costs little: what the native path computes stays within 1% of the
     dequantise-then-multiply reference (the unquantised activations)."""

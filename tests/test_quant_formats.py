@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from llmd.quant.common import pack_int4, unpack_int4
 from llmd.kernels import quant_cpu
+from llmd.quant import gguf_import
 from llmd.quant.gguf_import import Q4Blocks, import_q4_0, import_q4_1, import_q8_0
 from llmd.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 from llmd.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
@@ -72,6 +73,18 @@ def test_gguf_blocks_import_bit_exactly(qtype, importer, dequant) -> None:
     ours = dequant(importer(raw)).numpy()
     ref = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
     assert np.array_equal(ours, ref)
+
+
+def test_q8_0_blocks_are_compacted_in_their_own_memory_chunk_by_chunk(monkeypatch) -> None:
+    """Q8_0 values moved down over their scales a few rows at a time (5 here: 24 rows in five
+    chunks, the last short) dequantise to gguf's own values exactly, and stay in the blocks' memory."""
+    monkeypatch.setattr(gguf_import, "COMPACT_ROWS", 5)
+    w = weight(n=24, k=320).numpy()
+    raw = gguf.quants.quantize(w, Q.Q8_0)
+    held = np.array(raw)  # writable: taken as it is
+    q8 = import_q8_0(held, consume=True)
+    assert q8.qweight.data_ptr() == held.ctypes.data
+    assert np.array_equal(dequantize_int8(q8).numpy(), gguf.quants.dequantize(raw, Q.Q8_0).reshape(w.shape))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])

@@ -106,6 +106,24 @@ def test_a_tied_embedding_reads_the_heads_rows_exactly(group_size: int) -> None:
     assert torch.equal(head.rows(ids), dequantize_int8(q8)[ids])
 
 
+def test_a_head_made_in_its_blocks_own_memory_is_the_same_head() -> None:
+    """The load's head consumes its Q8_0 blocks (the native layout made in their memory): the same
+    logits, bit for bit, and the same embedding rows as a head made from a copy."""
+    if native.library() is None:
+        pytest.skip("the native kernels do not build here")
+    g = torch.Generator().manual_seed(1)
+    q8 = Int8Weight(torch.randint(-127, 128, (48, 128), dtype=torch.int8, generator=g),
+                    (torch.rand(48, 4, generator=g) / 50).half(), 32)
+    table = dequantize_int8(q8)
+    kept = Int8Head(Int8Weight(q8.qweight.clone(), q8.scales, 32), "native", torch.device("cpu"), torch.float32)
+    taken = Int8Head(q8, "native", torch.device("cpu"), torch.float32, consume=True)
+    assert taken.matmul.w.data_ptr() == q8.qweight.data_ptr()  # no copy was made
+    x = torch.randn(3, 128, generator=g)
+    assert torch.equal(taken(x), kept(x))
+    ids = torch.tensor([47, 0, 9, 8])
+    assert torch.equal(taken.rows(ids), table[ids])
+
+
 def agreement(model, dense, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:
     """Greedy runs of ``model``, teacher-forced through ``dense``: the share of picked tokens that
     are dense's top 1, the worst rank among its top 5 (5 = outside), and the runs."""

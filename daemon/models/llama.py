@@ -310,7 +310,9 @@ class LlamaForCausalLM(nn.Module):
         if q8 is None:
             return
         table = self.model.embed_tokens.weight
-        self.head_q8 = Int8Head.for_device(q8, table.device, self.dtype)
+        # NOTE: a native head is made in q8's own memory (consumed): q8 is read below only when the
+        # head is not native (embeds_from_head is false then)
+        self.head_q8 = Int8Head.for_device(q8, table.device, self.dtype, consume=True)
         if not self.config.tie_word_embeddings:
             return
         if self.embeds_from_head:

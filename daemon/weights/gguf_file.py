@@ -213,7 +213,7 @@ class GGUFModelFile:
         from llmd.quant.gguf_import import import_q8_0
 
         importers = {"Q4_0": lambda raw: Q4Blocks.of(raw, "Q4_0"), "Q4_1": lambda raw: Q4Blocks.of(raw, "Q4_1"),
-                     "Q8_0": import_q8_0}
+                     "Q8_0": lambda raw: import_q8_0(raw, consume=True)}  # read() gives fresh memory
         self.check_tensor_types()
         permute = self.architecture == "llama"
         for t in self.reader.tensors:
