@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 import torch
@@ -24,10 +25,17 @@ def release_free_memory() -> None:
     (each tensor's intermediate forms): a Llama 3.2 1B's load leaves 640 MiB of them resident."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    libc_name = ctypes.util.find_library("c")
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, found once (find_library runs ``ldconfig -p`` in a subprocess; a load trims
+    every few hundred MiB)."""
+    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(libc_name) if libc_name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
+        return ctypes.CDLL(name) if name else None
     except OSError:
-        pass
+        return None

@@ -226,7 +226,7 @@ def prepare(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear)):
             module.prepare(model.dtype)
-            converted += module.in_features * module.out_features // 2
+            converted += module.in_features * module.out_features // (2 if isinstance(module, Int4Linear) else 1)
             if converted >= TRIM_EVERY_BYTES:
                 release_free_memory()
                 converted = 0

@@ -48,13 +48,14 @@ class ServedModel:
         self.encoder.close()
 
     def footprint(self) -> int:
-        """What it holds loaded, from ``info``: its weights and the part of its KV pool the prefix cache
-        may make resident (all of a pool whose size was given; a default CPU pool reserves more, which
-        only sequences running at once fill)."""
+        """What it holds loaded: its weights (``info``) and its KV pool's resident part, at least what
+        the prefix cache may make resident (all of a pool whose size was given; a default CPU pool
+        reserves more, which only sequences running at once write, and which stays written until
+        the idle unload: counted once written)."""
         pool = int(self.info.get("kv_cache_bytes") or 0)
         blocks, target = self.info.get("kv_cache_blocks"), self.info.get("kv_cache_target_blocks")
         if blocks and target:
-            pool = pool * int(target) // int(blocks)
+            pool = pool * max(int(target), self.engine.kv.pool.num_touched) // int(blocks)
         return int(self.info.get("weight_bytes") or 0) + pool
 
     def describe(self) -> dict[str, Any]:

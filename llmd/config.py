@@ -252,8 +252,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "models the daemon holds loaded at once: a request naming another loads it, unloading the least "
            "recently used idle one when this many are loaded", "N"),
     Option("max_models_mb", 0, lambda v: _whole(v, 0, 2**24),
-           "memory in MiB the loaded models' weights and KV pools may take in all (the least recently used idle "
-           "one is unloaded to make room); 0: only max_loaded_models bounds them", "MIB"),
+           "memory in MiB the loaded models' weights and KV pools may take in all (a pool counts what its prefix "
+           "cache may keep resident, or what running sequences wrote; the least recently used idle one is "
+           "unloaded to make room); 0: only max_loaded_models bounds them", "MIB"),
     Option("idle_unload", 0.0, lambda v: _number(v, 0.0, 60.0 * 24 * 365),
            "minutes without requests after which the model and KV cache are freed (reloaded on the next "
            "request); 0 keeps them loaded", "MINUTES"),

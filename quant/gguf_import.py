@@ -66,6 +66,7 @@ def import_q8_0(raw: np.ndarray, consume: bool = False) -> Int8Weight:
     scales = _fp16(b[..., 0:2])
     if not consume:
         return Int8Weight(b[..., 2:].contiguous().view(torch.int8).reshape(n, -1), scales, BLOCK)
+    scales = scales.clone()  # (a view of the blocks when there is one block: the values move over it)
     flat = b.view(-1).view(torch.int8)
     for r0 in range(0, n, COMPACT_ROWS):
         r1 = min(n, r0 + COMPACT_ROWS)

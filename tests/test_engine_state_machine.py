@@ -52,8 +52,14 @@ def check_block_accounting(engine) -> None:
     for block_hash, block in pool.cached.items():
         assert block.block_hash == block_hash
     assert pool.num_cached_free == sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
-    # every block held or holding a prefix was handed out, and no more than the pool has
-    assert sum(1 for b in pool.blocks if b.ref_cnt or b.block_hash is not None) <= pool.num_touched <= pool.num_blocks
+    # a free block waits in the LRU queue exactly when it holds a prefix; the never-used ones were never
+    # handed out, and every block held or holding a prefix was
+    queued = {b.block_id for b in pool.free_queue}
+    for block in pool.blocks:
+        if block.ref_cnt == 0:
+            assert (block.block_hash is not None) == (block.block_id in queued), f"block {block.block_id} misfiled"
+    assert pool.num_touched == pool.num_blocks - len(pool._fresh)
+    assert sum(1 for b in pool.blocks if b.ref_cnt or b.block_hash is not None) <= pool.num_touched
     if engine.drafter is not None:  # the draft model's pool: every block held once or free
         held = engine.drafter.held_block_ids()
         draft_free = engine.drafter.pool.free_block_ids()
@@ -67,12 +73,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(8, 24), chunk=st.sampled_from([1, 3, 8, 64]),
                 caching=st.booleans(), speculative=st.sampled_from(["off", "ngram", "draft"]),
-                cache=st.sampled_from(["auto", "int8"]))
-    def setup(self, num_blocks: int, chunk: int, caching: bool, speculative: str, cache: str) -> None:
+                cache=st.sampled_from(["auto", "int8"]), resident=st.integers(1, 24))
+    def setup(self, num_blocks: int, chunk: int, caching: bool, speculative: str, cache: str,
+              resident: int) -> None:
         self.engine = make_engine(self.engine_dir, num_blocks=num_blocks, block_size=4,
                                   max_batched_tokens=chunk, prefix_cache=caching, max_num_seqs=6,
                                   speculative=speculative, draft_dir=self.draft_dir if speculative == "draft" else None,
                                   kv_cache_dtype=cache)
+        # the prefix cache's resident target below the pool (a default CPU pool's): cached prefixes are
+        # evicted before never-used blocks are written, while running sequences may take them all
+        self.engine.kv.pool.resident_target = min(resident, num_blocks)
         if speculative == "draft":
             self.engine.draft_pass_cost = 0.0  # draft whatever a pass of the tiny draft model costs
         self.next_id = 0
@@ -117,6 +127,17 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.engine.abort_request(rid) is not None
         assert self.engine.abort_request(rid) is None  # a second abort is a no-op
         self.live.discard(rid)
+
+    @precondition(lambda self: not self.engine.requests)
+    @rule()
+    def idle_unload_and_reload(self) -> None:
+        # the daemon's idle unload: the cache's memory goes, the prefix cache is forgotten, every block
+        # is fresh again; the reload takes the same model
+        engine = self.engine
+        model, draft = engine.model, engine.drafter.model if engine.drafter is not None else None
+        engine.unload()
+        assert engine.kv.usage.num_touched == 0 and not engine.kv.pool.cached
+        engine.load(model, draft)
 
     @precondition(lambda self: self.engine.scheduler.running)
     @rule()

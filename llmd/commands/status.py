@@ -95,7 +95,7 @@ def _memory_line(info: dict, stats: dict) -> str:
     if pool:
         text += f"; the KV pool reserves {pool / 2**20:.0f} MiB, resident as its blocks fill"
         blocks, touched = info.get("kv_cache_blocks"), stats.get("num_blocks_touched")
-        if blocks and touched is not None:
+        if blocks and touched is not None and info.get("device") == "cpu":  # a GPU's pool is taken whole
             text += f" ({pool * touched // blocks / 2**20:.0f} MiB so far)"
     return text
 
