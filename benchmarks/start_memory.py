@@ -15,7 +15,9 @@ so both find it in the page cache: a warm start, what a desktop sees after the f
 llmd only: the idle unload (`--idle-unload`, a few seconds here), RSS after it, and the reload's time
 (a one-token request after the unload) against `answer`.
 llama-server gets `-np 16` and `-c` = llmd's KV capacity (its info's kv_cache_tokens), or what 16 x 1k
-needs where that is more (marked *).
+needs where that is more (marked *); `--llama-server-ctx needed`: what 16 x 1k needs, whatever llmd
+holds (llama.cpp writes its whole cache at start, so its RSS follows `-c`; llmd's default pool reserves
+a quarter of the RAM and writes what is used, so "the same capacity" grows llama-server's side alone).
 Synthetic files are written once into ~/.cache/llmd-bench (0.5b: 0.3 GB, 1b: 0.7 GB, 3b: 1.7 GB).
 """
 
@@ -249,6 +251,8 @@ def main() -> None:
                         choices=["default", *SHAPES])
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     parser.add_argument("--no-llama-server", action="store_true")
+    parser.add_argument("--llama-server-ctx", choices=["capacity", "needed"], default="capacity",
+                        help="llama-server's -c: llmd's KV capacity, or what the 16 requests need")
     parser.add_argument("--idle-unload", type=float, default=6.0, help="seconds (llmd's --idle-unload, in minutes)")
     args = parser.parse_args()
     from llmd.daemon.model_source import default_model_path
@@ -267,11 +271,12 @@ def main() -> None:
         if args.llama_server and not args.no_llama_server:
             # the same capacity, but never less than the 16 requests need (llama-server splits -c among its
             # slots and refuses a prompt longer than one; llmd queues what its pool cannot hold yet)
-            ctx = max(ours["kv_tokens"], STREAMS * (PROMPT_TOKENS + NEW_TOKENS + 8))
+            needed = STREAMS * (PROMPT_TOKENS + NEW_TOKENS + 8)
+            ctx = needed if args.llama_server_ctx == "needed" else max(ours["kv_tokens"], needed)
             theirs = measure_llama_server(args.llama_server, model, ctx)
             row(theirs, f"llama-server{'*' if ctx > ours['kv_tokens'] else ''}")
-            if ctx > ours["kv_tokens"]:
-                print(f"  * -c {ctx}: llmd's default pool holds fewer tokens than 16 x 1k")
+            short = ": llmd's pool holds fewer tokens than 16 x 1k" if ctx > ours["kv_tokens"] else ""
+            print(f"  llama-server -c {ctx}{short}")
         print(f"  llmd idle unload: RSS {ours['unloaded']:.0f} MiB after it; reload {ours['reload']:.2f} s "
               f"({ours['reload'] / ours['answer']:.2f}x the start's answer), RSS {ours['after_reload']:.0f} MiB")
         if theirs is not None:
