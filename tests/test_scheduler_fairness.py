@@ -32,9 +32,12 @@ def make_seq(rid: str, num_tokens: int, owner: Any = None, priority: int = 0, ma
 
 
 def make_scheduler(num_blocks: int = 4096, block_size: int = 16, max_num_seqs: int = 64,
-                   max_batched_tokens: int = 512) -> Scheduler:
+                   max_batched_tokens: int = 512, paced: bool = False) -> Scheduler:
+    """Unpaced unless asked: these steps take no time, so only the token budget shapes them (a paced
+    scheduler's first step is a probe of PROBE_PACED_TOKENS)."""
+    timing = {} if paced else {"step_seconds": None, "lone_step_seconds": None}
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                             max_model_len=8192)
+                             max_model_len=8192, **timing)
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_cache=False))
 
 
@@ -273,10 +276,10 @@ def test_steps_are_paced_to_their_time_targets(monkeypatch: pytest.MonkeyPatch) 
         end_finished(sched, batch)
         return seconds
 
-    sched = make_scheduler()  # step_seconds 0.2, lone_step_seconds 1.0
+    sched = make_scheduler(paced=True)  # step_seconds 0.2, lone_step_seconds 1.0
     add_all(sched, [make_seq(f"a{i}", 7000, owner="A", max_tokens=16) for i in range(2)])
     lone = [timed_step(sched) for _ in range(4)]
-    assert lone[0] == 0.02 + 0.005 * 512, "nothing measured yet: the token budget"
+    assert lone[0] == 0.02 + 0.005 * 64, "nothing measured yet: a probe's tokens, not the whole budget"
     assert all(0.9 <= t <= 1.1 for t in lone[1:]), f"one owner: steps of {lone}"
     short = add_all(sched, [make_seq("b", 4, owner="B", max_tokens=8)])[0]
     arrived = clock.now

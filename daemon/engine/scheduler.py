@@ -28,7 +28,8 @@ A token budget bounds a step's work, not its time: on a CPU, 512 prompt tokens a
 context take seconds, and every other client waits that long for each token, a new request as long
 for the step in flight to end. So a step's prompt tokens are also cut to end in about
 ``step_seconds`` while more than one owner has work, ``lone_step_seconds`` otherwise, at the rate
-the last step with prompt work ran.
+the last step with prompt work ran (the first such step, before any rate is known, takes at most
+PROBE_PACED_TOKENS).
 
 When the pool runs dry for a decode's next block, a running sequence is preempted: of the lowest
 priority, of the owner holding the most blocks, the most recently admitted. Its blocks are freed and
@@ -51,6 +52,9 @@ from llmd.daemon.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 MIN_PACED_TOKENS = 16  # prompt tokens a paced step still takes, however slow the last one was
+# Prompt tokens a paced step takes before any rate is measured: a probe. The whole budget was ~15 s
+# for a 3B's first 512 tokens on 2 cores, and every client waited that long, past its silence timeout.
+PROBE_PACED_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -206,8 +210,10 @@ class Scheduler:
         cfg = self.config
         shared = len({s.owner for s in self.running + self.waiting}) > 1
         seconds = cfg.step_seconds if shared else cfg.lone_step_seconds
-        if seconds is None or self._prompt_tokens_per_s is None:
+        if seconds is None:
             return cfg.max_batched_tokens
+        if self._prompt_tokens_per_s is None:
+            return min(cfg.max_batched_tokens, PROBE_PACED_TOKENS)
         # NOTE: the rate includes each step's fixed cost, so if a step costs fixed + n * per_token,
         # steps settle at the n that takes ``seconds``.
         return max(MIN_PACED_TOKENS, int(self._prompt_tokens_per_s * seconds))
