@@ -102,12 +102,17 @@ def repack_q8x8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     """llmd.quant's INT8 layout (``qweight [N, K]``, fp16 ``scales [N, K/g]``) -> the native
     kernels': per 8 rows and block of 32 inputs 256 bytes, byte ``32c + 4i + t`` holding row ``i``'s
     input ``4c + t``; scales ``[N/8, K/g, 8]``. Lossless (:func:`unpack_q8x8`)."""
-    n, k = qweight.shape
-    q = _pad_rows(qweight).reshape(-1, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [G, b, c, i, t]
-    return q.contiguous().reshape(-1, k // 32, 256).view(torch.uint8), group_scales(_pad_rows(scales))
+    w = _q8x8_order(_pad_rows(qweight)).contiguous().reshape(-1, qweight.shape[1] // 32, 256)
+    return w.view(torch.uint8), group_scales(_pad_rows(scales))
 
 
-# Rows a chunk of repack_q8x8_in_place moves at once: the only memory it takes beside the weight.
+def _q8x8_order(q: torch.Tensor) -> torch.Tensor:
+    """INT8 rows ``[8G, K]`` viewed in the native layout's order ``[G, b, c, i, t]`` (not copied)."""
+    return q.reshape(-1, 8, q.shape[1] // 32, 8, 4).permute(0, 2, 3, 1, 4)
+
+
+# Rows a chunk of repack_q8x8_in_place moves at once (a multiple of 8): the only memory it takes beside
+# the weight.
 IN_PLACE_ROWS = 4096
 
 
@@ -120,11 +125,9 @@ def repack_q8x8_in_place(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[t
     n, k = qweight.shape
     if n % 8 or not qweight.is_contiguous():
         return repack_q8x8(qweight, scales)
-    rows = qweight.view(n // 8, 8, k // 32, 8, 4)
-    step = IN_PLACE_ROWS // 8
-    for g0 in range(0, n // 8, step):
-        chunk = rows[g0:g0 + step]
-        chunk.view(-1).copy_(chunk.permute(0, 2, 3, 1, 4).contiguous().view(-1))  # [G, b, c, i, t]
+    for r0 in range(0, n, IN_PLACE_ROWS):
+        chunk = qweight[r0:r0 + IN_PLACE_ROWS]
+        chunk.view(-1).copy_(_q8x8_order(chunk).contiguous().view(-1))
     return qweight.view(n // 8, k // 32, 256).view(torch.uint8), group_scales(scales)
 
 

@@ -96,7 +96,6 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(())  # free blocks holding a prefix, least recently freed first
         self._empty: list[Block] = []  # free blocks written before that hold no prefix (a stack)
         self._fresh: list[int] = []  # ids of blocks never handed out, lowest last (popped first)
-        self.num_touched = 0  # blocks handed out at least once since the cache's memory was made
         self.cached: dict[bytes, Block] = {}
         self.num_cached_free = 0  # free blocks that still hold a reusable prefix
         self._reset()
@@ -106,7 +105,11 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(())
         self._empty = []
         self._fresh = list(range(self.num_blocks - 1, -1, -1))
-        self.num_touched = 0
+
+    @property
+    def num_touched(self) -> int:
+        """Blocks handed out at least once since the cache's memory was made (on the CPU: written)."""
+        return self.num_blocks - len(self._fresh)
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,7 +145,6 @@ class BlockPool:
         if self._empty:
             return self._empty.pop()
         if self._fresh and (self.num_touched < self.resident_target or not self.free_queue):
-            self.num_touched += 1
             return self.blocks[self._fresh.pop()]
         block = self.free_queue.popleft()
         self._evict(block)
