@@ -423,8 +423,8 @@ class Client(_ClientCore):
         """Each token's text on its own (at most 4096 ids a call), by ``model``'s tokenizer (the default's)."""
         return self._call("detokenize", {"token_ids": list(token_ids), **(_model_content(model) or {})})["pieces"]
 
-    def shutdown(self) -> dict[str, Any]:
-        return self._call("shutdown")
+    def shutdown(self, timeout: float = SILENCE_TIMEOUT_S) -> dict[str, Any]:
+        return self._call("shutdown", timeout=timeout)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,
@@ -570,8 +570,8 @@ class AsyncClient(_ClientCore):
         content = {"token_ids": list(token_ids), **(_model_content(model) or {})}
         return (await self._call("detokenize", content))["pieces"]
 
-    async def shutdown(self) -> dict[str, Any]:
-        return await self._call("shutdown")
+    async def shutdown(self, timeout: float = SILENCE_TIMEOUT_S) -> dict[str, Any]:
+        return await self._call("shutdown", timeout=timeout)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  token_ids: list[int] | None = None, stream: bool = True, request_id: str | None = None,

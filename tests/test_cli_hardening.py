@@ -196,19 +196,21 @@ def test_hung_daemon_status_then_stop_force(tmp_path: Path, env: dict[str, str])
             start = time.monotonic()
             return llmd(env, *args, "--socket-dir", str(run_dir)), time.monotonic() - start
 
-        # the three wait on their real timeouts (5, 5 and 15 s) side by side: make test's time budget
+        # the three wait on their real timeouts side by side (make test's time budget): 5 s for status,
+        # and stop's answer wait, bounded by its --timeout (15 s without)
         with ThreadPoolExecutor(3) as pool:
-            waits = [pool.submit(timed, *args) for args in (["status"], ["status", "--json"], ["stop"])]
-            (status, status_s), (as_json, _), (stop, _) = (w.result() for w in waits)
+            waits = [pool.submit(timed, *args) for args in (["status"], ["status", "--json"],
+                                                            ["stop", "--timeout", "6"])]
+            (status, status_s), (as_json, _), (stop, stop_s) = (w.result() for w in waits)
         # Before: 15 s of silence, then "not running" and exit status 3.
-        assert status_s < 12
+        assert status_s < 12 and stop_s < 12
         assert status.returncode == 4, status.stdout + status.stderr
         assert status.stdout.strip() == (f"llmd: running (pid {pid}) but not answering within 5s: it is stopped "
                                          f"(`kill -CONT {pid}` resumes it); `llmd stop --force` ends it")
         assert as_json.returncode == 4
         assert json.loads(as_json.stdout) == {"running": True, "answering": False, "pid": pid}
         assert stop.returncode == 1
-        assert f"the daemon (pid {pid}) did not answer within 15s; `llmd stop --force` ends it" \
+        assert f"the daemon (pid {pid}) did not answer within 6s; `llmd stop --force` ends it" \
             in error_line(stop.stderr)
 
         forced = llmd(env, "stop", "--force", "--socket-dir", str(run_dir), timeout=60)

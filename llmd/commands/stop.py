@@ -23,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "does not answer or does not exit in time.")
     add_settings_flags(stop, ["socket_dir"])
     stop.add_argument("--timeout", type=non_negative_float, default=None, metavar="S",
-                      help=f"seconds to wait for it to exit (default: {STOP_TIMEOUT_S:g}; with --force "
-                           f"{FORCE_STOP_TIMEOUT_S:g}, then SIGKILL)")
+                      help=f"seconds to wait for it to answer and exit (default: {STOP_TIMEOUT_S:g}; with "
+                           f"--force {FORCE_STOP_TIMEOUT_S:g}, then SIGKILL)")
     stop.add_argument("--force", action="store_true",
                       help="signal it instead of asking (SIGTERM, and SIGCONT in case it is stopped), SIGKILL it if "
                            "it has not exited within --timeout, and remove the files it left; without a daemon, "
@@ -47,12 +47,15 @@ def run(args: argparse.Namespace) -> int:
     if args.force:
         return _force_stop(pid, run_dir, FORCE_STOP_TIMEOUT_S if args.timeout is None else args.timeout)
     timeout = STOP_TIMEOUT_S if args.timeout is None else args.timeout
+    # A daemon answers at once unless it is hung: a shorter --timeout gives up on it sooner (not at
+    # once: the message needs a moment to be read).
+    answer_s = max(1.0, min(SILENCE_TIMEOUT_S, timeout))
     try:
         with Client(connection=connection) as client:
-            client.shutdown()
+            client.shutdown(timeout=answer_s)
     except DaemonNotRunningError:
         if not exited(pid, run_dir):
-            raise LlmdError(f"the daemon (pid {pid}) did not answer within {SILENCE_TIMEOUT_S:g}s; "
+            raise LlmdError(f"the daemon (pid {pid}) did not answer within {answer_s:g}s; "
                             "`llmd stop --force` ends it (in-flight requests are lost)") from None
     if wait_exit(pid, run_dir, timeout):  # at once if it died before it could answer
         print(f"llmd: stopped (pid {pid})")
