@@ -143,8 +143,8 @@ for arch, dt in ARCH_DTYPES:
 
 
 def test_kernels_compile_for_every_gpu_generation(tmp_path: Path) -> None:
-    """sm_75/80/86/89/90 in fp16 and bf16 (and fp32 once), with the alignment the runtime sees: no
+    """sm_75/80/86/90 in fp16 and bf16 (and fp32 once), with the alignment the runtime sees: no
     register spills, shared memory within a consumer card's 99 KiB, vectorised global loads, and
     RoPE on libdevice's accurate cos/sin."""
     out = compile_for_gpu(COMPILE, tmp_path)
-    assert out.count("'registers'") == 3 * (2 * 5 + 1), out[-2000:]
+    assert out.count("'registers'") == 3 * (2 * 4 + 1), out[-2000:]
