@@ -97,7 +97,6 @@ class BlockPool:
         self._empty: list[Block] = []  # free blocks written before that hold no prefix (a stack)
         self._fresh: list[int] = []  # ids of blocks never handed out, lowest last (popped first)
         self.cached: dict[bytes, Block] = {}
-        self.num_cached_free = 0  # free blocks that still hold a reusable prefix
         self._reset()
 
     def _reset(self) -> None:
@@ -110,6 +109,11 @@ class BlockPool:
     def num_touched(self) -> int:
         """Blocks handed out at least once since the cache's memory was made (on the CPU: written)."""
         return self.num_blocks - len(self._fresh)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a reusable prefix: the queue holds exactly those."""
+        return len(self.free_queue)
 
     @property
     def num_free_blocks(self) -> int:
@@ -153,7 +157,6 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-        self.num_cached_free -= 1
         block.block_hash = None
         block.token_ids = None
 
@@ -164,7 +167,6 @@ class BlockPool:
                 if block.block_hash is None:  # only a cached block is found to be touched
                     raise RuntimeError(f"block {block.block_id} is free and holds no prefix")
                 self.free_queue.remove(block)
-                self.num_cached_free -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
@@ -177,7 +179,6 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self.free_queue.append(block)
-                    self.num_cached_free += 1
                 else:
                     self._empty.append(block)
 
@@ -190,7 +191,6 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = None
         self.cached.clear()
-        self.num_cached_free = 0
         self._reset()
 
     def cache_block(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
