@@ -25,7 +25,7 @@ from llmd.daemon.model_config import ModelConfig
 from llmd.daemon.models.layers import Linear, LinearFactory, dense_linear
 from llmd.daemon.models.llama import PACKED_PROJECTIONS
 from llmd.daemon.process_memory import release_free_memory
-from llmd.config import QUANT_SCHEMES
+from llmd.config import QUANT_SCHEMES, check_quant_pair
 from llmd.quant.bnb import BNB_SCHEMES, bnb_linear, bnb_unsupported_reason
 from llmd.quant.int4 import Int4Linear
 from llmd.quant.int8 import Int8Linear
@@ -55,8 +55,7 @@ class QuantConfig:
             raise ValueError(f"quantisation must be one of {', '.join(QUANT_SCHEMES)}, got {self.scheme!r}")
         if self.group_size is not None and self.group_size not in (32, 64, 128):
             raise ValueError(f"group size must be 32, 64 or 128, got {self.group_size}")
-        if self.group_size is not None and self.scheme in ("none", *BNB_SCHEMES):
-            raise ValueError(f"--group-size does not apply to --quant {self.scheme}")
+        check_quant_pair(self.scheme, self.group_size)
 
 
 @dataclass(frozen=True, slots=True)

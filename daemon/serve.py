@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -13,11 +12,12 @@ from typing import Any, Protocol
 
 import torch
 
-from llmd.config import OPTIONS, RemoteTable, is_loopback, runtime_dir
+from llmd.config import OPTIONS, RemoteTable, runtime_dir
 from llmd.daemon.engine_args import EngineArgs
 from llmd.daemon.quantization import describe, describe_quant, weight_memory
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.daemon.tool_calls import call_style
+from llmd.daemon.transport import check_tcp
 from llmd.errors import LlmdError
 
 log = logging.getLogger("llmd")
@@ -54,29 +54,6 @@ class DaemonOptions:
         own = {f.name for f in fields(cls)} - {"engine", "log_file", "sampling_defaults", "remotes"}
         return cls(EngineArgs.from_settings(values), log_file=log_file, sampling_defaults=dict(sampling_defaults or {}),
                    remotes=dict(remotes or {}), **{k: v for k, v in values.items() if k in own})
-
-
-def check_tcp(tcp: str | None, allow_remote: bool = False) -> None:
-    """Refuse a TCP address other machines could reach unless ``allow_remote``; warn on stderr
-    when it is allowed.
-
-    Raises:
-        LlmdError: a malformed address, or a non-loopback one without ``allow_remote``.
-    """
-    if tcp is None:
-        return
-    try:
-        OPTIONS["tcp"].parse(tcp)  # the check the flag and the config file make
-    except ValueError:
-        raise LlmdError(f"--tcp takes HOST:PORT (e.g. 127.0.0.1:7860), got {tcp!r}") from None
-    host = tcp.rpartition(":")[0].strip("[]")
-    if is_loopback(host):
-        return
-    if not allow_remote:
-        raise LlmdError(f"--tcp {tcp} would be reachable from other machines; use 127.0.0.1:PORT, or add "
-                        "--allow-remote if you mean it")
-    print(f"llmd: warning: serving on {tcp}, reachable from other machines (CURVE-encrypted; clients need "
-          "the keys in the connection file)", file=sys.stderr, flush=True)
 
 
 class Companion(Protocol):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import hmac
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from typing import Any
 import zmq
 import zmq.auth.thread
 
+from llmd.config import OPTIONS, is_loopback
 from llmd.daemon.runtime_files import RuntimeFiles
 from llmd.errors import LlmdError
 from llmd.protocol import (MAX_FRAMES, MAX_MESSAGE_BYTES, REQUEST_TYPES, Message, ProtocolError, ReplayGuard,
@@ -35,6 +37,29 @@ KEEPALIVE_INTERVAL_S = 1.0
 # a reader that stops costs a bounded queue, not one message per token.
 CLIENT_SNDHWM = 64
 MAX_MESSAGES_PER_TURN = 1000  # read at most this many per loop turn, so a flood cannot starve the engine
+
+def check_tcp(tcp: str | None, allow_remote: bool = False) -> None:
+    """Refuse a TCP address other machines could reach unless ``allow_remote``; warn on stderr
+    when it is allowed.
+
+    Raises:
+        LlmdError: a malformed address, or a non-loopback one without ``allow_remote``.
+    """
+    if tcp is None:
+        return
+    try:
+        OPTIONS["tcp"].parse(tcp)  # the check the flag and the config file make
+    except ValueError:
+        raise LlmdError(f"--tcp takes HOST:PORT (e.g. 127.0.0.1:7860), got {tcp!r}") from None
+    host = tcp.rpartition(":")[0].strip("[]")
+    if is_loopback(host):
+        return
+    if not allow_remote:
+        raise LlmdError(f"--tcp {tcp} would be reachable from other machines; use 127.0.0.1:PORT, or add "
+                        "--allow-remote if you mean it")
+    print(f"llmd: warning: serving on {tcp}, reachable from other machines (CURVE-encrypted; clients need "
+          "the keys in the connection file)", file=sys.stderr, flush=True)
+
 
 # A reply waiting to be sent: (type, content, parent message id).
 Reply = tuple[str, dict[str, Any], str]

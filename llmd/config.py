@@ -56,6 +56,14 @@ CONFIG_ENV = "LLMD_CONFIG"
 # What --quant takes (llmd.daemon.quantization builds each; the names live here, torch-free, so the
 # CLI and the config file can check them without importing the runtime).
 QUANT_SCHEMES = ("auto", "none", "int8", "int4", "nf4", "bnb-int8")
+GROUPLESS_QUANT = ("none", "nf4", "bnb-int8")  # the schemes --group-size does not apply to
+
+
+def check_quant_pair(scheme: str, group_size: int | None) -> None:
+    """``--quant`` with ``--group-size``: each is checked by its option; this is the rule between
+    them (the runtime's QuantConfig applies it too). Raises ``ValueError``."""
+    if group_size is not None and scheme in GROUPLESS_QUANT:
+        raise ValueError(f"--group-size does not apply to --quant {scheme}")
 
 
 class ConfigError(LlmdError):

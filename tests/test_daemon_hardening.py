@@ -21,7 +21,7 @@ from daemon_helpers import Raw, daemon_env, start_daemon, stop_daemon, wait_for,
 from tiny_models import make_hf_model, save_hf_model
 
 from llmd.client import AsyncClient, Client, DaemonNotRunningError, MessageTooLargeError
-from llmd.daemon.serve import check_tcp
+from llmd.daemon.transport import check_tcp
 from llmd.errors import LlmdError
 from llmd.protocol import MAX_PROMPT_CHARS, PROTOCOL, Message, ReplayGuard, encode, sign
 

@@ -119,3 +119,22 @@ def test_background_start_reports_progress_without_timestamps(setup) -> None:
     assert lines and all(line.startswith("llmd: ") for line in lines), lines
     log = (tmp / "state" / "llmd" / "llmd.log").read_text()
     assert " llmd: serving " in log  # the file itself keeps them
+
+
+def test_background_start_checks_its_flags_without_the_runtime() -> None:
+    """`llmd start` checks its flags, starts the daemon and waits for it: importing the runtime
+    there (torch, transformers) cost ~2 s of every start before the daemon even began its own."""
+    code = (
+        "import json, sys\n"
+        "import llmd.commands.start as start\n"
+        "start.start_background = lambda args, settings: print(json.dumps("
+        "[m for m in ('torch', 'transformers') if m in sys.modules])) or 0\n"
+        "from llmd.cli import main\n"
+        "sys.exit(main(['start', '--tcp', '127.0.0.1:7999', '--quant', 'int4', '--group-size', '64']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+    bad = subprocess.run([sys.executable, "-m", "llmd", "start", "--quant", "none", "--group-size", "64"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and bad.stderr.strip() == "llmd: error: --group-size does not apply to --quant none"

@@ -14,12 +14,14 @@ import torch
 from tiny_models import make_hf_model, save_hf_model, write_llama_gguf
 
 from llmd.cli import main
+from llmd.config import GROUPLESS_QUANT
 from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
 from llmd.daemon.weights.gguf_file import hf_name, unpermute_qk
 from llmd.daemon.quantization import PROJECTIONS, QuantConfig, weight_memory
 from llmd.quant.gguf_import import import_q4_0, import_q8_0
+from llmd.quant.bnb import BNB_SCHEMES
 from llmd.quant.int4 import Int4Linear, dequantize_int4
 from llmd.quant.int8 import Int8Linear, dequantize_int8
 
@@ -161,3 +163,8 @@ def test_bad_quant_options_are_one_line_errors(model_dir, capsys) -> None:
     assert err.startswith("llmd: error:") and "--group-size does not apply" in err
     with pytest.raises(ValueError, match="quantisation must be one of"):
         QuantConfig("int3")
+    # the CLI checks the pair without the runtime (llmd.config): the same schemes as the runtime's
+    for scheme in ("none", *BNB_SCHEMES):
+        with pytest.raises(ValueError, match="does not apply"):
+            QuantConfig(scheme, 64)
+    assert set(GROUPLESS_QUANT) == {"none", *BNB_SCHEMES}

@@ -7,17 +7,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from llmd.config import Settings
+from llmd.config import Settings, check_quant_pair
 from llmd.errors import LlmdError
 
 
 def check_quant(quant: str, group_size: int | None) -> None:
-    """``--quant`` with ``--group-size``, checked as the runtime checks them (imports the runtime:
-    only for the commands that build it)."""
-    from llmd.daemon.quantization import QuantConfig
-
+    """``--quant`` with ``--group-size``, checked as the runtime checks them (without importing it:
+    ``llmd start`` checks its flags before it starts the daemon)."""
     try:
-        QuantConfig(quant, group_size)
+        check_quant_pair(quant, group_size)
     except ValueError as e:
         raise LlmdError(str(e)) from None
 

@@ -30,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmd.daemon.serve import DaemonOptions, check_tcp, serve
+    # NOTE: the daemon's modules (torch among them, ~2 s) only where it runs: the background start
+    # imports what checks its flags, starts the daemon and waits for it to answer
+    from llmd.daemon.transport import check_tcp
 
     settings = settings_of(args)
     check_quant(settings["quant"], settings["group_size"])
@@ -41,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.foreground:  # here too, so the warning reaches this terminal, not only the log
         check_tcp(settings["tcp"], settings["allow_remote"])
     if args.foreground:
+        from llmd.daemon.serve import DaemonOptions, serve
+
         if args.log_file:
             from llmd.logs import log_to_file
 
