@@ -218,9 +218,11 @@ int64_t llmd_attention_partial_floats(int64_t B, int64_t H, int64_t D) {
     return B * H * LLMD_ATTN_MAX_CELLS * (D + 2);
 }
 
-/* Keys read per chunk of a cell: K or V rows of 64 values widened to fp32 are 8 KB, in L1 while
- * every query of the task uses them. */
-#define KEY_CHUNK 32
+/* Keys read per chunk of a cell: K or V rows of 64 values widened to fp32 are 16 KB, in L1 (32 KB
+ * and more) while every query of the task uses them. 64, not 32: a chunk's fixed costs (each query's
+ * output sums loaded and stored, its calls) took ~10% of a 600-token context's attention; 128 was
+ * slower again. The chunk does not change a result's bits (weighted_sum_add). */
+#define KEY_CHUNK 64
 
 /* The first key row b sees within a cell that starts at `start` (a sliding window may start later). */
 static inline int64_t key_first(int64_t b, const int32_t *seq_lens, int64_t window, int64_t start) {
