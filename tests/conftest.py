@@ -19,6 +19,8 @@ if os.environ.get("LLMD_GPU_TESTS") != "1" or not __import__("torch").cuda.is_av
 # A daemon the developer has running must be invisible to the tests: every client and `llmd` command
 # without --socket-dir looks here instead of $XDG_RUNTIME_DIR/llmd (test daemons get their own dirs).
 os.environ["LLMD_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="llmd-tests-run-")
+# Where llmd.kernels.native caches its builds for the user (read before any test moves XDG_CACHE_HOME).
+_NATIVE_BUILDS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmd" / "native"
 
 import pytest  # noqa: E402
 
@@ -56,7 +58,14 @@ _CACHE: list[Path] = []
 
 def _session_cache(factory: pytest.TempPathFactory) -> Path:
     if not _CACHE:
-        _CACHE.append(factory.mktemp("xdg-cache"))
+        cache = factory.mktemp("xdg-cache")
+        # but the native kernels' builds: keyed by their sources, flags, compiler and CPU
+        # (llmd.kernels.native.build), so sharing the user's is safe, and `make setup` has built
+        # them there; each pytest-xdist worker otherwise compiled its own (~7 s a build)
+        _NATIVE_BUILDS.mkdir(parents=True, exist_ok=True)
+        (cache / "llmd").mkdir()
+        (cache / "llmd" / "native").symlink_to(_NATIVE_BUILDS, target_is_directory=True)
+        _CACHE.append(cache)
     return _CACHE[0]
 
 

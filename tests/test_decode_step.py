@@ -27,10 +27,10 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "tinyllama"]
 
 
 @pytest.fixture(scope="module", params=["native-arch", "portable"])
-def lib(request, tmp_path_factory) -> ctypes.CDLL:
+def lib(request) -> ctypes.CDLL:
     if request.param == "native-arch":
         return native.library()
-    return native.load(native.build(out_dir=tmp_path_factory.mktemp("native"), portable=True))
+    return native.load(native.build(portable=True))  # (cached with the other builds: conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler
 
 
 @pytest.fixture(scope="module", params=["native-arch", "portable"])
-def lib(request, tmp_path_factory) -> ctypes.CDLL:
+def lib(request) -> ctypes.CDLL:
     if request.param == "native-arch":
         built = native.library()
         assert built is not None, "a machine with a C compiler must build the library"
@@ -30,7 +30,7 @@ def lib(request, tmp_path_factory) -> ctypes.CDLL:
         assert built.llmd_has_vnni() == (cpu_profile.has("avx512_vnni") and cpu_profile.has("avx512vl")
                                          or cpu_profile.has("avx_vnni"))
         return built
-    portable = native.load(native.build(out_dir=tmp_path_factory.mktemp("native"), portable=True))
+    portable = native.load(native.build(portable=True))  # (cached with the other builds: conftest.py)
     assert not portable.llmd_has_avx2()
     return portable
 
