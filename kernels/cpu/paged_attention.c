@@ -56,8 +56,8 @@
 
 /* The queries a pass over a chunk of keys serves at once: the query heads of one row that share a
  * KV head (GQA). Each key (and value) row loaded from L1 then feeds QT dot products or weighted sums,
- * not one: ~20% faster at a 600-token context (AVX-512 and AVX2 builds alike). 3 keeps an AVX2 tile in its 16
- * vector registers (12 accumulators, a row, the queries' vectors or weights). */
+ * not one: ~20% faster over a 600-token context, AVX-512 and AVX2 builds alike. 3 keeps an AVX2
+ * tile in its 16 vector registers (12 accumulators, a row, the queries' vectors or weights). */
 #define QT 3
 
 /* dot(q, k) for a head of D values, in the order every path uses: lane l (of 8) accumulates the
