@@ -38,6 +38,7 @@ KEEPALIVE_INTERVAL_S = 1.0
 CLIENT_SNDHWM = 64
 MAX_MESSAGES_PER_TURN = 1000  # read at most this many per loop turn, so a flood cannot starve the engine
 
+
 def check_tcp(tcp: str | None, allow_remote: bool = False) -> None:
     """Refuse a TCP address other machines could reach unless ``allow_remote``; warn on stderr
     when it is allowed.
