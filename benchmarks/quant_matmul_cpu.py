@@ -5,14 +5,20 @@ path (dequantise + matmul) and dense fp32 / bf16 matmuls. ``LLMD_CPU=avx2`` time
 ours (no VNNI) on a CPU that has more.
 
     .venv/bin/python benchmarks/quant_matmul_cpu.py [--rows 1 16 512]
+    .venv/bin/python benchmarks/quant_matmul_cpu.py --lib OTHER.so --rows 1 4 16 512   # two builds
 
 Prints microseconds per call (median of repeats) per shape and batch size. Run it alone: other
-CPU work on a 2-core machine distorts every number.
+CPU work on a 2-core machine distorts every number. ``--lib`` times instead the native kernels
+against another build of the library (e.g. ``gcc -O3 -fopenmp -shared -fPIC -std=c11
+-ffp-contract=off -march=native -o OTHER.so kernels/cpu/*.c -lm`` on other sources), in turn,
+several rounds, and prints the ratio other / this per shape and kind (the median of the rounds):
+these machines drift by tens of per cent within minutes, so only alternated timings compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -40,11 +46,45 @@ def timed(fn: Callable[[], object], budget_s: float = 0.3) -> float:
     return statistics.median(times) * 1e6
 
 
+def against(other_path: str, rows: list[int], rounds: int = 6) -> None:
+    """The native kernels of this build and of ``other_path``, timed in turn."""
+    this = quant_cpu.library()
+    if this is None:
+        raise SystemExit("the native library is not available (no C compiler?)")
+    other = ctypes.CDLL(other_path)
+    other.llmd_qgemm.restype = None
+    other.llmd_qgemm.argtypes = this.llmd_qgemm.argtypes
+    libs = {"this": this, "other": other}
+    print(f"threads {torch.get_num_threads()}; microseconds per call, the median of {rounds} alternated rounds")
+    print(f"{'shape':>8} {'M':>4} | {'this i4':>8} {'other i4':>8} {'ratio':>6} | {'this i8':>8} {'other i8':>8} "
+          f"{'ratio':>6}")
+    for name, k, n in SHAPES:
+        w = torch.randn(n, k) * 0.05
+        weights = {"i4": PackedWeight.from_int4(quantize_int4(w, 32)),
+                   "i8": PackedWeight.from_int8(quantize_int8(w, 32))}
+        for m in rows:
+            x = torch.randn(m, k)
+            cells = []
+            for kind, weight in weights.items():
+                times: dict[str, list[float]] = {"this": [], "other": []}
+                for rnd in range(rounds):
+                    for lib in (list(libs) if rnd % 2 == 0 else list(libs)[::-1]):
+                        times[lib].append(timed(lambda: weight(x, libs[lib]), 0.1))
+                this_us, other_us = (statistics.median(times[lib]) for lib in ("this", "other"))
+                ratio = statistics.median(o / t for t, o in zip(times["this"], times["other"]))
+                cells.append(f"{this_us:8.0f} {other_us:8.0f} {ratio:5.2f}x")
+            print(f"{name:>8} {m:>4} | {' | '.join(cells)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 512])
+    parser.add_argument("--lib", default=None, help="another build of the native library to time against this one")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.lib:
+        against(args.lib, args.rows)
+        return
     native = quant_cpu.library() is not None
     print(f"threads {torch.get_num_threads()}, native kernels {'built' if native else 'UNAVAILABLE'}")
     print(f"{'shape':>8} {'M':>4} | {'native i4':>9} {'native i8':>9} | "

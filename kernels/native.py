@@ -47,6 +47,7 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_has_avx2": ([], c_int),
     "llmd_has_vnni": ([], c_int),
+    "llmd_has_avx512": ([], c_int),
     "llmd_quantize_q8": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_int], None),
     "llmd_qgemm": ([c_int, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                     c_int64, c_int64, c_void_p, c_int], None),
@@ -156,7 +157,9 @@ def main() -> int:
         print(f"llmd: {e}", file=sys.stderr)
         return 1
     lib = load(path)
-    isa = ("AVX2+FMA+VNNI" if lib.llmd_has_vnni() else "AVX2+FMA") if lib.llmd_has_avx2() else "portable C"
+    isa = "portable C"
+    if lib.llmd_has_avx2():
+        isa = "AVX-512+VNNI" if lib.llmd_has_avx512() else "AVX2+FMA+VNNI" if lib.llmd_has_vnni() else "AVX2+FMA"
     print(f"{path} ({isa}; CPU profile {cpu_profile.describe()})")
     return 0
 

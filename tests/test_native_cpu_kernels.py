@@ -29,6 +29,8 @@ def lib(request) -> ctypes.CDLL:
         # checks that build against the portable C, bit for bit.
         assert built.llmd_has_vnni() == (cpu_profile.has("avx512_vnni") and cpu_profile.has("avx512vl")
                                          or cpu_profile.has("avx_vnni"))
+        # the 512-bit tiles where the profile has AVX-512 with VNNI: checked against the portable C too
+        assert built.llmd_has_avx512() == all(cpu_profile.has(f) for f in ("avx512f", "avx512bw", "avx512_vnni"))
         return built
     portable = native.load(native.build(portable=True))  # (cached with the other builds: conftest.py)
     assert not portable.llmd_has_avx2()

@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
                        | {m.quant_scheme for layer in self.model.layers for m in layer.modules()
                           if hasattr(m, "quant_scheme")})  # bitsandbytes
         lib = quant_cpu.library()
-        vnni = " (VNNI)" if lib is not None and lib.llmd_has_vnni() else ""
+        vnni = ("" if lib is None else " (AVX-512 VNNI)" if lib.llmd_has_avx512()
+                else " (VNNI)" if lib.llmd_has_vnni() else "")
         names = {"native": f"native int8-activation kernels{vnni}", "packed": "torch's packed kernels (bf16)",
                  "reference": "dequantise + matmul", "cuda": "Triton"}
         decode = "layer by layer"
