@@ -285,3 +285,20 @@ def test_the_dashboard_names_the_daemons_other_models() -> None:
 
     models = [{"name": "a", "state": "loaded", "default": True}, {"name": "b", "state": "unloaded"}]
     assert models_part(models) == " · also b (unloaded)" and models_part(models[:1]) == ""
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("delay", [0.0, 0.03])
+async def test_closing_mid_answer_keeps_the_partial_answer(tmp_path: Path, delay: float) -> None:
+    """The app closing while an answer streams (its widgets go before its worker is cancelled)
+    raises nothing, and the chat is saved with what had arrived."""
+    client = FakeClient(["a b c d e f g h i j k l m n o p"], word_delay=0.05)
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await send(pilot, "hi")
+        await wait_until(pilot, lambda: len(app.query(ChatMessage)) == 2 and app.query(ChatMessage).last().source)
+        await asyncio.sleep(delay)
+    saved = ConversationStore(tmp_path / "chats").list()
+    assert len(saved) == 1 and saved[0].messages[0] == {"role": "user", "content": "hi"}
+    partial = saved[0].messages[-1]
+    assert partial["role"] == "assistant" and 0 < len(partial["content"]) < len(client.answers[0])

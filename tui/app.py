@@ -21,7 +21,7 @@ from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from llmd.client import DaemonNotRunningError, Result, ServerError
-from llmd.tui.chat_view import ChatView, PromptInput
+from llmd.tui.chat_view import ChatMessage, ChatView, PromptInput
 from llmd.tui.conversation import ChatSettings, Conversation, ConversationStore
 from llmd.tui.dashboard import Dashboard
 from llmd.tui.screens import ChatsScreen, HelpScreen, SettingsScreen
@@ -171,28 +171,40 @@ class ChatApp(App[None]):
         except DaemonNotRunningError:
             status = "the daemon stopped answering" + ("; the partial answer is kept" if text else "")
             self._set_daemon_gone(True)
+        except NoMatches:  # the app is closing: its widgets went before this worker was cancelled
+            status = "stopped"
         finally:
             await request.aclose()  # cancels the request in the daemon if it is still running
-            if stream is not None:
-                await stream.stop()
             answer = "".join(text)
-            message.text = answer
+            # The chat first, saved: the widgets below may be gone already (the app closing mid-answer).
             if answer:
                 conversation.messages.append({"role": "assistant", "content": answer})
             else:
                 # No answer: take the question back (into the prompt, if this chat is still shown),
                 # so the chat keeps alternating user/assistant turns, as chat templates require.
                 conversation.messages.pop()
-                await message.remove()
-                if conversation is self.conversation:
-                    await chat.drop_last("user")
-                    if not chat.prompt.text.strip():
-                        chat.prompt.text = question
-                    if status != "stopped":
-                        await chat.add("note", status)
             self.store.save(conversation)
+            try:
+                await self._show_answer_end(chat, message, stream, conversation, question, answer, status)
+            except NoMatches:
+                pass
+
+    async def _show_answer_end(self, chat: ChatView, message: ChatMessage, stream: Any, conversation: Conversation,
+                               question: str, answer: str, status: str) -> None:
+        """The view when an answer ends: its message final, or gone with the question back in the prompt."""
+        if stream is not None:
+            await stream.stop()
+        message.text = answer
+        if not answer:
+            await message.remove()
             if conversation is self.conversation:
-                chat.set_status(status)
+                await chat.drop_last("user")
+                if not chat.prompt.text.strip():
+                    chat.prompt.text = question
+                if status != "stopped":
+                    await chat.add("note", status)
+        if conversation is self.conversation:
+            chat.set_status(status)
 
     # ---- events and actions ----------------------------------------------------------------------
 
