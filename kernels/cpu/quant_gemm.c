@@ -50,8 +50,9 @@
 #define LLMD_VNNI 1
 #define dpbusd(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
 #endif
-/* AVX-512 with VNNI (Zen 4+, Ice Lake+): INT4 weights go two groups of 8 rows at a time in 512-bit
- * vectors (q4x16_tile), so each activation broadcast and vpdpbusd serves 16 outputs, not 8. */
+/* AVX-512 with VNNI (Zen 4+, Ice Lake+): INT4 and INT8 weights go two groups of 8 rows at a time in
+ * 512-bit vectors (q4x16_tile, q8x16_offset_tile), so each activation broadcast and vpdpbusd serves
+ * 16 outputs, not 8. */
 #if defined(LLMD_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LLMD_ZMM 1
 #endif
@@ -341,6 +342,12 @@ static inline __m512i load_pair(const uint8_t *p, int64_t stride) {
                               _mm256_loadu_si256((const __m256i *)(p + stride)), 1);
 }
 
+/* The 8 fp16 scales (or mins) of group G at s and of group G + 1 (a group's stride on), as fp32 */
+static inline __m512 scales_pair(const uint16_t *s, int64_t stride) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(s + stride)),
+                                            _mm_loadu_si128((const __m128i *)s)));
+}
+
 /* q4x8_tile for groups G and G + 1 at once (wg, sg, mg: G's; G + 1's are a group's stride on), res
  * [mt, 16]: lanes 0-7 are G's rows, 8-15 G + 1's. Each lane computes what q4x8_tile's does, in the
  * same order: the same bits. The prompt chunks' matmuls (many rows) are bound by these per-row
@@ -355,10 +362,7 @@ static inline __attribute__((always_inline)) void q4x16_tile(const uint8_t *wg, 
     for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int64_t g = b / bpg;
-        const __m512 ws = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(sg + sstride + g * 8)),
-                                                           _mm_loadu_si128((const __m128i *)(sg + g * 8))));
-        const __m512 wm = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(mg + sstride + g * 8)),
-                                                           _mm_loadu_si128((const __m128i *)(mg + g * 8))));
+        const __m512 ws = scales_pair(sg + g * 8, sstride), wm = scales_pair(mg + g * 8, sstride);
         const uint8_t *wb = wg + b * 128;
         __m512i s[MT];
         for (int m = 0; m < mt; m++) s[m] = _mm512_setzero_si512();
@@ -390,9 +394,7 @@ static inline __attribute__((always_inline)) void q8x16_offset_tile(const uint8_
     __m512 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const int64_t g = b / bpg;
-        const __m512 ws = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(sg + sstride + g * 8)),
-                                                           _mm_loadu_si128((const __m128i *)(sg + g * 8))));
+        const __m512 ws = scales_pair(sg + (b / bpg) * 8, sstride);
         const uint8_t *wb = wg + b * 256;
         __m512i s32[MT], wsum = _mm512_setzero_si512();
         for (int m = 0; m < mt; m++) s32[m] = _mm512_setzero_si512();
@@ -454,7 +456,9 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
                      float *out, int64_t ldo) {
     const int64_t nb = K / QK, ng = K / group, bpg = group / QK, groups = (N + 7) / 8;
     const int64_t wstride = nb * (kind == LLMD_Q4X8 ? 128 : 256);
-    uint8_t *xu = NULL; /* INT8 weights, VNNI, several rows: the activations offset to u8, this thread's copy */
+    /* INT8 weights with VNNI, several rows (or any in the 512-bit build): the activations offset to
+     * u8, this thread's copy */
+    uint8_t *xu = NULL;
 #ifdef LLMD_ZMM
     const int64_t min_rows = 1; /* the 512-bit INT8 tile takes a row alone so too */
 #else
