@@ -25,7 +25,7 @@
  * row (MT at a time), so a batch pays the unpacking once per tile of rows. With AVX-512 and VNNI,
  * two groups go together in 512-bit vectors (q4x16_tile, q8x16_offset_tile): each activation
  * broadcast and vpdpbusd then serves 16 outputs. Past a few rows these per-row instructions, not
- * the weights' unpacking or reading, bound the time, so that is 1.3-1.6x at 16-512 rows (prompt
+ * the weights' unpacking or reading, bound the time, so that is 1.2-1.6x at 16-512 rows (prompt
  * chunks, many streams) and 1.04-1.2x at one (benchmarks/quant_matmul_cpu.py --lib).
  */
 #include <math.h>
