@@ -459,13 +459,12 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
     /* INT8 weights with VNNI, several rows (or any in the 512-bit build): the activations offset to
      * u8, this thread's copy */
     uint8_t *xu = NULL;
+#ifdef LLMD_VNNI
 #ifdef LLMD_ZMM
     const int64_t min_rows = 1; /* the 512-bit INT8 tile takes a row alone so too */
 #else
     const int64_t min_rows = 2;
 #endif
-    (void)min_rows;
-#ifdef LLMD_VNNI
     if (kind == LLMD_Q8X8 && M >= min_rows && (xu = malloc((size_t)(M * K))) != NULL)
         for (int64_t i = 0; i < M * K; i++) xu[i] = (uint8_t)xq[i] ^ 0x80; /* x + 128 */
 #endif
