@@ -2,6 +2,8 @@
 
 For GGUF files transformers builds the tokenizer from the metadata, which takes seconds; the result
 is cached under ``$XDG_CACHE_HOME/llmd/tokenizers`` keyed by the file's real path, size and mtime.
+Every tokenizer transformers loads is snapshot there too (llmd/daemon/snapshot_tokenizer.py), so
+later starts read it without importing transformers.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from typing import Any
 
 from llmd.daemon.model_config import ModelConfig
 from llmd.daemon.model_source import ModelSource
+from llmd.daemon.snapshot_tokenizer import SnapshotTokenizer, can_snapshot, read_snapshot, write_snapshot
 from llmd.errors import InvalidModelError
 
 log = logging.getLogger("llmd")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# what a model directory's tokenizer may be read from (its snapshot is made again when one changes)
+_TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
 
 
 def _cache_dir() -> Path:
@@ -26,11 +31,50 @@ def _cache_dir() -> Path:
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    """The model's transformers tokenizer (a ``PreTrainedTokenizerBase``).
+    """The model's tokenizer: a :class:`SnapshotTokenizer` of what transformers builds (read back
+    without importing transformers after the first load), or transformers' own where a snapshot
+    would not be exact (a class that encodes or decodes in Python).
 
     Raises:
-        InvalidModelError: the directory has no usable tokenizer files.
+        InvalidModelError: no usable tokenizer (files, or a GGUF's metadata).
     """
+    try:
+        directory = _cache_dir() / _cache_key(source)
+    except OSError:  # no such file or directory: transformers' load says so in its own words
+        return _load_with_transformers(source, _cache_dir() / "unreadable")
+    # (the transformers tokenizer, made again only if something needs it: xgrammar reads its vocabulary)
+    def again() -> Any:
+        return _load_with_transformers(source, directory)
+
+    snapshot = read_snapshot(directory, again)
+    if snapshot is not None:
+        return snapshot
+    hf = _load_with_transformers(source, directory)
+    if not can_snapshot(hf):
+        return hf
+    try:
+        write_snapshot(hf, directory)
+    except OSError as e:  # a read-only home only costs time
+        log.warning("cannot cache the tokenizer in %s: %s", directory, e)
+    return SnapshotTokenizer.from_transformers(hf, again)
+
+
+def _cache_key(source: ModelSource) -> str:
+    # keyed by the files themselves, not the names they were found by: the HF cache's snapshot links
+    # and any other link to one file share one build
+    if source.kind == "gguf":
+        real = source.path.resolve()
+        st = real.stat()
+        return hashlib.sha256(f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    real = source.path.resolve()
+    files = sorted(p for p in real.iterdir() if p.suffix in _TOKENIZER_SUFFIXES and p.is_file())
+    stats = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    return "dir-" + hashlib.sha256("\n".join([str(real), *stats]).encode()).hexdigest()[:24]
+
+
+def _load_with_transformers(source: ModelSource, cached: Path) -> Any:
+    """transformers' tokenizer of ``source``; a GGUF's is built from its metadata once and saved
+    in ``cached`` (it takes seconds, holding the GIL: a daemon's other models pause)."""
     # (AutoTokenizer is imported only where it is used: its model lookup reads a thousand of
     # transformers' files, 0.6 s a start that a GGUF's cached tokenizer does without)
     if source.kind == "hf_dir":
@@ -46,12 +90,6 @@ def load_tokenizer(source: ModelSource) -> Any:
         except (OSError, ValueError, TypeError) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidModelError(f"{source.path} has no usable tokenizer: {reason}") from None
-    # keyed by the file itself, not the name it was found by: the HF cache's snapshot links and any
-    # other link to one file share one build (it holds the GIL for seconds: a daemon's other models pause)
-    real = source.path.resolve()
-    st = real.stat()
-    key = hashlib.sha256(f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    cached = _cache_dir() / key
     if (cached / "tokenizer_config.json").is_file():
         from transformers import PreTrainedTokenizerFast
 

@@ -234,7 +234,9 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar
 
-                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                # (xgrammar reads transformers' tokenizer; a snapshot makes it, once: it imports transformers)
+                hf = self._tokenizer.transformers() if hasattr(self._tokenizer, "transformers") else self._tokenizer
+                info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                                stop_token_ids=sorted(self._eos) or None)
                 # xgrammar keeps the compiled constraints (by their text), to a bound: clients choose them
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
