@@ -41,9 +41,12 @@ async def show_fixed_data(pilot) -> None:
     while not app._have_info:  # the model line is in; then _open resets the status line
         await pilot.pause(0.01)
     await app._open(app.conversation)
-    for i, decode in enumerate([0, 12, 40, 85, 120, 96, 130, 140, 138, 90]):
-        app.client.stats.put_nowait(stats_message(BLOCK_MAP, ROWS, decode=float(decode)))
-    while app.client.stats.qsize():
+    rates = [0.0, 12.0, 40.0, 85.0, 120.0, 96.0, 130.0, 140.0, 138.0, 90.0]
+    for decode in rates:
+        app.client.stats.put_nowait(stats_message(BLOCK_MAP, ROWS, decode=decode))
+    # (until the dashboard has taken the last one: an empty queue alone left it undrawn on a loaded machine)
+    dashboard = app.query_one(Dashboard)
+    while list(dashboard.decode)[-len(rates):] != rates:
         await pilot.pause(0.01)
     await pilot.pause(0.1)
 
