@@ -125,6 +125,9 @@ def repack_q8x8_in_place(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[t
     n, k = qweight.shape
     if n % 8 or not qweight.is_contiguous():
         return repack_q8x8(qweight, scales)
+    u8 = qweight.view(torch.uint8)
+    if interleave_rows(u8, u8, n // 8, k // 32, row=k, block=32, off=0, chunks=8):
+        return u8.view(n // 8, k // 32, 256), group_scales(scales)
     for r0 in range(0, n, IN_PLACE_ROWS):
         chunk = qweight[r0:r0 + IN_PLACE_ROWS]
         chunk.view(-1).copy_(_q8x8_order(chunk).contiguous().view(-1))
@@ -145,7 +148,35 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 
 def group_scales(s: torch.Tensor) -> torch.Tensor:
     """Per-row scales ``[N, K/g]`` (N a multiple of 8) -> the native layout's ``[N/8, K/g, 8]``."""
+    if s.dtype == torch.float16 and s.is_contiguous():
+        n, nb = s.shape
+        out = torch.empty(n // 8, nb, 8, dtype=torch.float16)
+        if gather_scales(s.view(torch.uint8), out, row=2 * nb, block=2, off=0):
+            return out
     return s.reshape(-1, 8, s.shape[1]).transpose(1, 2).contiguous()  # [N/8, K/g, 8]
+
+
+def interleave_rows(src: torch.Tensor, dst: torch.Tensor, groups: int, nb: int, row: int, block: int, off: int,
+                    chunks: int) -> bool:
+    """The native kernels' interleave of 8 rows by 4-byte chunks (kernels/cpu/repack.c,
+    ``llmd_repack_x8``): byte ``32c + 4i + t`` of group ``g``'s block ``b`` in ``dst [groups, nb,
+    32 * chunks]`` is byte ``(8g + i) * row + b * block + off + 4c + t`` of ``src`` (uint8, contiguous;
+    ``dst`` may be ``src`` when the rows are compact). Returns False, with nothing written, where the
+    native library is not there (the callers' torch paths give the same bytes)."""
+    lib = library() if os.environ.get("LLMD_NATIVE", "1") != "0" else None
+    if lib is None or not (src.is_contiguous() and dst.is_contiguous()):
+        return False
+    return lib.llmd_repack_x8(src.data_ptr(), groups, nb, row, block, off, chunks, dst.data_ptr(), _threads()) == 0
+
+
+def gather_scales(src: torch.Tensor, dst: torch.Tensor, row: int, block: int, off: int) -> bool:
+    """Per-row fp16 values at ``src``'s bytes ``(8g + i) * row + b * block + off`` into ``dst [groups,
+    nb, 8]`` (``llmd_gather_x8_u16``). False, with nothing written, without the native library."""
+    lib = library() if os.environ.get("LLMD_NATIVE", "1") != "0" else None
+    if lib is None or not (src.is_contiguous() and dst.is_contiguous()):
+        return False
+    lib.llmd_gather_x8_u16(src.data_ptr(), dst.shape[0], dst.shape[1], row, block, off, dst.data_ptr(), _threads())
+    return True
 
 
 def _ungroup_scales(s: torch.Tensor, n: int) -> torch.Tensor:

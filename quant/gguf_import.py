@@ -119,9 +119,18 @@ class Q4Blocks:
         """``(w, scales, mins)`` in the native kernels' layout (kernels/quant_cpu.repack_q4x8: per 8
         rows and block, byte ``32j + 4i + t`` holds row ``i``'s weights ``4j + t`` and ``16 + 4j + t``,
         which is GGUF's byte ``4j + t`` of that row's block). Needs whole groups of 8 rows."""
-        n, nb = self.raw.shape[0], self.raw.shape[1]
+        n, nb, size = self.raw.shape
         if n % 8:
             raise ValueError(f"the native layout takes rows in groups of 8, got {n}")
+        if self.raw.is_contiguous():  # the blocks as read: the native library moves the bytes
+            w = torch.empty(n // 8, nb, 128, dtype=torch.uint8)
+            scales = torch.empty(n // 8, nb, 8, dtype=torch.float16)
+            mins = torch.empty_like(scales) if self.kind == "Q4_1" else None
+            nibbles_at = 2 if self.kind == "Q4_0" else 4
+            if quant_cpu.interleave_rows(self.raw, w, n // 8, nb, row=nb * size, block=size, off=nibbles_at, chunks=4) \
+                    and quant_cpu.gather_scales(self.raw, scales, row=nb * size, block=size, off=0) \
+                    and (mins is None or quant_cpu.gather_scales(self.raw, mins, row=nb * size, block=size, off=2)):
+                return w, scales, -8.0 * scales if mins is None else mins  # Q4_0: w = d (q - 8)
         w = self._nibbles().reshape(n // 8, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, nb, 128)
         scales, mins = self._scales_mins()
         return w.contiguous(), quant_cpu.group_scales(scales), quant_cpu.group_scales(mins)

@@ -145,12 +145,14 @@ def test_repacking_is_lossless(n: int) -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("n", [8, 40, 13])
-def test_repacking_in_place_equals_repacking_by_copy(n: int, monkeypatch) -> None:
-    """The INT8 layout made in the weight's own memory (a chunk of 16 rows at a time here, so the 40
-    rows take three chunks, the last one short) is the copying repack's, byte for byte; rows in no
-    whole groups of 8 are repacked by copy."""
+def test_repacking_in_place_equals_repacking_by_copy(n: int, native: str, monkeypatch) -> None:
+    """The INT8 layout made in the weight's own memory (by the native library, a group of 8 rows at
+    a time; or by torch, a chunk of 16 rows at a time here, so the 40 rows take three chunks, the last
+    one short) is the copying repack's, byte for byte; rows in no whole groups of 8 are repacked by copy."""
     monkeypatch.setattr(quant_cpu, "IN_PLACE_ROWS", 16)
+    monkeypatch.setenv("LLMD_NATIVE", native)
     q8 = quantize_int8(torch.randn(n, 256, generator=torch.Generator().manual_seed(n)), 32)
     want = quant_cpu.repack_q8x8(q8.qweight, q8.scales)
     weight = q8.qweight.clone()

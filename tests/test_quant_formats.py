@@ -88,16 +88,21 @@ def test_q8_0_blocks_are_compacted_in_their_own_memory_chunk_by_chunk(monkeypatc
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_gguf_q4_blocks_become_the_native_layout_by_bytes_alone(qtype) -> None:
-    """GGUF Q4 blocks straight into the native kernels' layout (a byte permutation) equal the two
-    repackings they replace (into llmd's layout, then the native one), byte for byte; and a layer
-    filled with them in shards (as a fused qkv is) holds the same weight on every path."""
+def test_gguf_q4_blocks_become_the_native_layout_by_bytes_alone(qtype, monkeypatch) -> None:
+    """GGUF Q4 blocks straight into the native kernels' layout (a byte permutation: the native
+    library's, and torch's where there is none) equal the two repackings they replace (into llmd's
+    layout, then the native one), byte for byte; and a layer filled with them in shards (as a fused
+    qkv is) holds the same weight on every path."""
     w = weight(n=24, k=320).numpy()
     raw = gguf.quants.quantize(w, qtype)
     blocks = Q4Blocks.of(raw, qtype.name)
     via_llmd = quant_cpu.PackedWeight.from_int4(blocks.to_int4())
-    for ours, theirs in zip(blocks.native_parts(), (via_llmd.w, via_llmd.scales, via_llmd.mins), strict=True):
-        assert torch.equal(ours, theirs)
+    assert blocks.raw.is_contiguous() and quant_cpu.library() is not None  # so the first pass is the C's
+    for native in ("1", "0"):
+        monkeypatch.setenv("LLMD_NATIVE", native)
+        for ours, theirs in zip(blocks.native_parts(), (via_llmd.w, via_llmd.scales, via_llmd.mins), strict=True):
+            assert torch.equal(ours, theirs)
+    monkeypatch.delenv("LLMD_NATIVE")
     exact = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(w.shape))
     for path in ("native", "reference"):
         layer = Int4Linear(320, 24, 32)
