@@ -148,7 +148,7 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 
 def group_scales(s: torch.Tensor) -> torch.Tensor:
     """Per-row scales ``[N, K/g]`` (N a multiple of 8) -> the native layout's ``[N/8, K/g, 8]``."""
-    if s.dtype == torch.float16 and s.is_contiguous():
+    if s.dtype == torch.float16 and s.is_contiguous() and s.shape[0] % 8 == 0:
         n, nb = s.shape
         out = torch.empty(n // 8, nb, 8, dtype=torch.float16)
         if gather_scales(s.view(torch.uint8), out, row=2 * nb, block=2, off=0):
