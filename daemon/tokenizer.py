@@ -62,13 +62,12 @@ def load_tokenizer(source: ModelSource) -> Any:
 def _cache_key(source: ModelSource) -> str:
     # keyed by the files themselves, not the names they were found by: the HF cache's snapshot links
     # and any other link to one file share one build
+    real = source.path.resolve()
     if source.kind == "gguf":
-        real = source.path.resolve()
         st = real.stat()
         return hashlib.sha256(f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    real = source.path.resolve()
     files = sorted(p for p in real.iterdir() if p.suffix in _TOKENIZER_SUFFIXES and p.is_file())
-    stats = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    stats = [f"{p.name}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in (p.stat(),)]
     return "dir-" + hashlib.sha256("\n".join([str(real), *stats]).encode()).hexdigest()[:24]
 
 

@@ -35,13 +35,18 @@ def cpu_path(dtype: torch.dtype, in_features: int, packed_ok: bool = True) -> st
     ``native`` (ours: any CPU with a C compiler; inputs a multiple of 32; every dtype),
     ``packed`` (torch's layout and kernels, bf16 on a CPU with native bf16), else ``reference``
     (dequantise, then a dense matmul)."""
-    # NOTE: LLMD_NATIVE=0 is read here too, not only by library() (decided once per process), so
-    # tests of the quantised weights themselves can pin the exact reference path.
-    if in_features % QK == 0 and os.environ.get("LLMD_NATIVE", "1") != "0" and library() is not None:
+    # (through _native(): tests of the quantised weights themselves can pin the exact reference path)
+    if in_features % QK == 0 and _native() is not None:
         return "native"
     if packed_ok and packed_kernels_pay(dtype):
         return "packed"
     return "reference"
+
+
+def _native() -> ctypes.CDLL | None:
+    """The native library, None without it or under LLMD_NATIVE=0 (read at each call, not only once
+    by library(), so tests can pin the torch paths)."""
+    return library() if os.environ.get("LLMD_NATIVE", "1") != "0" else None
 
 
 def _threads() -> int:
@@ -163,7 +168,7 @@ def interleave_rows(src: torch.Tensor, dst: torch.Tensor, groups: int, nb: int, 
     32 * chunks]`` is byte ``(8g + i) * row + b * block + off + 4c + t`` of ``src`` (uint8, contiguous;
     ``dst`` may be ``src`` when the rows are compact). Returns False, with nothing written, where the
     native library is not there (the callers' torch paths give the same bytes)."""
-    lib = library() if os.environ.get("LLMD_NATIVE", "1") != "0" else None
+    lib = _native()
     if lib is None or not (src.is_contiguous() and dst.is_contiguous()):
         return False
     return lib.llmd_repack_x8(src.data_ptr(), groups, nb, row, block, off, chunks, dst.data_ptr(), _threads()) == 0
@@ -172,7 +177,7 @@ def interleave_rows(src: torch.Tensor, dst: torch.Tensor, groups: int, nb: int, 
 def gather_scales(src: torch.Tensor, dst: torch.Tensor, row: int, block: int, off: int) -> bool:
     """Per-row fp16 values at ``src``'s bytes ``(8g + i) * row + b * block + off`` into ``dst [groups,
     nb, 8]`` (``llmd_gather_x8_u16``). False, with nothing written, without the native library."""
-    lib = library() if os.environ.get("LLMD_NATIVE", "1") != "0" else None
+    lib = _native()
     if lib is None or not (src.is_contiguous() and dst.is_contiguous()):
         return False
     lib.llmd_gather_x8_u16(src.data_ptr(), dst.shape[0], dst.shape[1], row, block, off, dst.data_ptr(), _threads())
