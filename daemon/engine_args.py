@@ -49,6 +49,7 @@ class EngineArgs:
     dtype: str = _default("dtype")
     quant: str = _default("quant")
     group_size: int | None = _default("group_size")
+    weights_cache: bool = _default("weights_cache")
     attention: str = _default("attention")
     kv_cache_mb: int | None = _default("kv_cache_mb")
     kv_cache_dtype: str = _default("kv_cache_dtype")
@@ -132,7 +133,7 @@ class ResolvedArgs:
     def load_model(self) -> LoadedModel:
         """The model, loaded: at start, and again after an idle unload, the same way."""
         return load_model(self.source, dtype=self.dtype, device=self.device, quant=self.args.quant_config(),
-                          attention=self.attention)
+                          attention=self.attention, weights_cache=self.args.weights_cache)
 
     def load_draft_model(self) -> LlamaForCausalLM | None:
         """The draft model (``--draft-model``), loaded as the model is (device, dtype, quantisation,
@@ -140,7 +141,7 @@ class ResolvedArgs:
         if self.draft_source is None:
             return None
         return load_model(self.draft_source, dtype=self.dtype, device=self.device, quant=self.args.quant_config(),
-                          attention=self.attention).model
+                          attention=self.attention, weights_cache=self.args.weights_cache).model
 
     def reload(self) -> tuple[LlamaForCausalLM, LlamaForCausalLM | None]:
         """The model and the draft model loaded again, the same way (after an idle unload)."""

@@ -21,8 +21,11 @@ from llmd.daemon.progress import progress
 from llmd.daemon.weights.gguf_file import GGUFModelFile
 from llmd.daemon.weights.safetensors_files import find_safetensors_files, iter_safetensors, validate_safetensors
 from llmd.errors import CorruptModelError, InvalidModelError
-from llmd.daemon.quantization import (BNB_SCHEMES, QuantConfig, calibrated_paths, describe, gguf_blocks_wanted,
-                              linear_factory, plan_linears, prepare, quantize_linears, weight_memory)
+from llmd.daemon.quantization import (BNB_SCHEMES, LinearSpec, QuantConfig, calibrated_paths, describe,
+                                      gguf_blocks_wanted, linear_factory, plan_linears, prepare, quantize_linears,
+                                      weight_memory)
+from llmd.daemon.weights import prepared_cache
+from llmd.kernels import quant_cpu
 
 log = logging.getLogger("llmd")
 
@@ -75,10 +78,59 @@ def _importance(model: LlamaForCausalLM, source: ModelSource, paths: list[str]) 
     return importance
 
 
+def _cache_key(source: ModelSource, quant: QuantConfig, dtype: torch.dtype, device: str,
+               plan: dict[str, LinearSpec]) -> str | None:
+    """The prepared-weights cache's key for this load, None where it cannot be cached: not on the
+    CPU, nothing quantised, or no native kernels to hold the layout it maps."""
+    if device != "cpu" or not plan or quant_cpu.cpu_path(dtype, quant_cpu.QK) != "native":
+        return None
+    try:
+        return prepared_cache.cache_key(source, quant.scheme, quant.group_size, dtype)
+    except OSError:
+        return None
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, attention: AttentionBackend | None,
+           plan: dict[str, LinearSpec]) -> LlamaForCausalLM:
+    return LlamaForCausalLM(config, dtype=dtype, attn_backend=attention, make_linear=linear_factory(plan))
+
+
+def _load_cached(source: ModelSource, config: ModelConfig, dtype: torch.dtype, attention: AttentionBackend | None,
+                 plan: dict[str, LinearSpec], key: str) -> LlamaForCausalLM | None:
+    """The model bound to its prepared-weights cache file, or None where there is none to use."""
+    model = _build(config, dtype, attention, plan)
+    if not prepared_cache.load(model, prepared_cache.cache_path(key), key):
+        return None
+    return model.eval()
+
+
+def _save_and_map(model: LlamaForCausalLM, source: ModelSource, config: ModelConfig, quant: QuantConfig,
+                  dtype: torch.dtype, attention: AttentionBackend | None, plan: dict[str, LinearSpec], key: str
+                  ) -> LlamaForCausalLM | None:
+    """Write ``model``'s prepared weights to the cache and return the model mapping them; None (the
+    converted model serves) where it cannot be cached or written."""
+    start = time.perf_counter()
+    settings = f"--quant {quant.scheme} --group-size {quant.group_size} {str(dtype).removeprefix('torch.')}"
+    try:
+        path = prepared_cache.save(model, key, source, settings)
+    except OSError as e:  # a read-only or full home costs only time
+        log.warning("cannot cache the weights in %s: %s", prepared_cache.cache_dir(), e)
+        return None
+    if path is None:
+        return None
+    log.info("wrote the prepared weights to %s (%.0f MiB) in %.2fs: later loads map them", path,
+             path.stat().st_size / 2**20, time.perf_counter() - start)
+    return _load_cached(source, config, dtype, attention, plan, key)
+
+
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               quant: QuantConfig | None = None, attention: AttentionBackend | None = None) -> LoadedModel:
+               quant: QuantConfig | None = None, attention: AttentionBackend | None = None,
+               weights_cache: bool = False) -> LoadedModel:
     """Build our model for ``source``, load its weights, held as ``quant`` says (dense if None);
-    attention runs on ``attention`` (default: the torch reference).
+    attention runs on ``attention`` (default: the torch reference). ``weights_cache``: map the
+    prepared weights from llmd.daemon.weights.prepared_cache where a load left them, else load,
+    leave them there and map them (where the model can be cached: every projection on the native
+    kernels).
 
     Raises:
         LlmdError subclasses for every problem a user can cause (see llmd.errors).
@@ -109,6 +161,12 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     else:
         total = sum(len(validate_safetensors(f)) for f in files)
         weights = iter_safetensors(files)
+    key = _cache_key(source, quant, dtype, device, plan) if weights_cache else None
+    if key is not None and (model := _load_cached(source, config, dtype, attention, plan, key)) is not None:
+        log.info("loaded %s (%s, %d layers) in %.2fs, mapping %s; weights: %s", source.name, config.model_type,
+                 config.num_layers, time.perf_counter() - start, prepared_cache.cache_path(key),
+                 describe(weight_memory(model)))
+        return LoadedModel(model=model, config=config, source=source)
     streamed = {path: spec for path, spec in plan.items() if path not in calibrated}
     with torch.device(device):
         model = LlamaForCausalLM(config, dtype=dtype, attn_backend=attention, make_linear=linear_factory(streamed))
@@ -122,6 +180,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         raise InvalidModelError(f"cannot quantise {source.name} with --quant {quant.scheme}: {e}") from None
     prepare(model)
     model.eval()
+    if key is not None:  # cached and mapped: the converted copy goes, the file's pages serve as at later loads
+        model = _save_and_map(model, source, config, quant, dtype, attention, plan, key) or model
     release_free_memory()  # the tensors' intermediate forms, freed into the heap: back to the system
     log.info("loaded %s (%s, %d layers) in %.1fs; weights: %s; kernels: %s", source.name, config.model_type,
              config.num_layers, time.perf_counter() - start, describe(weight_memory(model)),

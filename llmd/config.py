@@ -224,6 +224,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "weights INT4; int4, int8, none, or bitsandbytes' nf4 / bnb-int8"),
     Option("group_size", None, _group_size, "int4/int8 group size (int4 default 32; int8 default per channel)",
            unset="(per scheme)"),
+    Option("weights_cache", True, _bool, "keep the weights as the CPU kernels hold them in $XDG_CACHE_HOME/llmd/"
+                                         "weights after the first load, so later loads map them instead of "
+                                         "converting the file"),
     Option("attention", "auto", _Choice("auto", "torch", "cpu", "triton"),
            "attention kernels: auto is Triton on CUDA, the native cpu kernel on the CPU (torch if it cannot "
            "be built); torch is the reference"),

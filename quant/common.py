@@ -33,6 +33,11 @@ class QuantizedLinear(nn.Module):
     def load_rows(self, start: int, weight: Any) -> None:
         raise NotImplementedError
 
+    def bind_native(self, weight: Any) -> None:
+        """Hold ``weight`` (a ``llmd.kernels.quant_cpu.PackedWeight``, already in the native kernels'
+        layout) and multiply by it."""
+        raise NotImplementedError
+
     def bind_fused(self, dtype: torch.dtype, *, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
                    add_residual: bool = False) -> Callable[..., torch.Tensor]:
         """This layer on the Triton matmuls with the decode step's fusions fixed (llmd.kernels.

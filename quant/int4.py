@@ -162,11 +162,11 @@ class Int4Linear(QuantizedLinear):
         our layout, as on a GPU (on the CPU only under TRITON_INTERPRET=1: tests, benchmarks)."""
         native = self._native_from_staged() if path == "native" else None
         qw = None if native is not None else self.weight()
-        held = {"native": None, "packed": None, "reference": qw, "triton": qw}
         if path == "native":
-            self.native = native or quant_cpu.PackedWeight.from_int4(qw)
-            self._matmul = self.native
-        elif path == "packed":
+            self.bind_native(native or quant_cpu.PackedWeight.from_int4(qw))
+            return
+        held = {"packed": None, "reference": qw, "triton": qw}
+        if path == "packed":
             self.native = None
             self.cpu_packed, scales_and_zeros = quant_cpu.pack_int4_for_cpu(qw)
             self.cpu_scales_zeros = scales_and_zeros.to(dtype)
@@ -186,7 +186,19 @@ class Int4Linear(QuantizedLinear):
             value = getattr(kept, name) if kept is not None else torch.empty(0, dtype=getattr(self, name).dtype)
             setattr(self, name, value)
         for name in ("w", "scales", "mins"):
-            self.register_buffer(f"native_{name}", None if self.native is None else getattr(self.native, name))
+            self.register_buffer(f"native_{name}", None)
+
+    def bind_native(self, weight: quant_cpu.PackedWeight) -> None:
+        """Hold ``weight``, already in the native kernels' layout, and multiply by it (:meth:`use`;
+        llmd.daemon.weights.prepared_cache binds a mapped file's this way)."""
+        self._staged = []
+        self.native = weight
+        self._matmul = weight
+        self.cpu_path = "native"
+        for name in ("packed", "scales", "mins"):  # (kept as buffers, empty: state_dict keys do not change)
+            setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
+        for name in ("w", "scales", "mins"):
+            self.register_buffer(f"native_{name}", getattr(weight, name))
 
     def _reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize_int4(self.weight()).to(x.dtype))

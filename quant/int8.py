@@ -105,19 +105,27 @@ class Int8Linear(QuantizedLinear):
         TRITON_INTERPRET=1: tests, benchmarks)."""
         qw = self.weight()
         if path == "native":
-            self.native = quant_cpu.PackedWeight.from_int8(qw)
-            self._matmul = self.native
-            self.qweight, self.scales = (torch.empty(0, dtype=t.dtype) for t in (qw.qweight, qw.scales))
-        elif path in ("packed", "reference", "triton"):
-            self.native = None
-            self.qweight, self.scales = qw.qweight, qw.scales
-            self._matmul = {"packed": self._packed_matmul, "reference": self._reference_matmul,
-                            "triton": self._triton_matmul}[path]
-        else:
+            self.bind_native(quant_cpu.PackedWeight.from_int8(qw))
+            return
+        if path not in ("packed", "reference", "triton"):
             raise ValueError(f"unknown CPU matmul path {path!r}")
+        self.native = None
+        self.qweight, self.scales = qw.qweight, qw.scales
+        self._matmul = {"packed": self._packed_matmul, "reference": self._reference_matmul,
+                        "triton": self._triton_matmul}[path]
         self.cpu_path = path
         for name in ("w", "scales"):
-            self.register_buffer(f"native_{name}", None if self.native is None else getattr(self.native, name))
+            self.register_buffer(f"native_{name}", None)
+
+    def bind_native(self, weight: quant_cpu.PackedWeight) -> None:
+        """Hold ``weight``, already in the native kernels' layout, and multiply by it (:meth:`use`;
+        llmd.daemon.weights.prepared_cache binds a mapped file's this way)."""
+        self.native = weight
+        self._matmul = weight
+        self.cpu_path = "native"
+        self.qweight, self.scales = (torch.empty(0, dtype=t.dtype) for t in (self.qweight, self.scales))
+        for name in ("w", "scales"):
+            self.register_buffer(f"native_{name}", getattr(weight, name))
 
     def _reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize_int8(self.weight()).to(x.dtype))

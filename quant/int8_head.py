@@ -57,6 +57,16 @@ class Int8Head:
             raise ValueError(f"an INT8 head runs on the native or the triton kernel, not {kernel!r}")
 
     @classmethod
+    def from_packed(cls, weight: quant_cpu.PackedWeight) -> Int8Head:
+        """The head on the native kernel, from blocks already in its layout (a mapped cache,
+        llmd.daemon.weights.prepared_cache)."""
+        if weight.kind != quant_cpu.Q8X8:
+            raise ValueError("an INT8 head is held as INT8 (Q8X8) blocks")
+        head = cls.__new__(cls)
+        head.kernel, head.group_size, head.matmul = "native", weight.group_size, weight
+        return head
+
+    @classmethod
     def for_device(cls, q8: Int8Weight, device: torch.device, dtype: torch.dtype,
                    consume: bool = False) -> Int8Head | None:
         """The head on the kernel for ``device``: Triton on CUDA, native on a CPU where the library

@@ -321,6 +321,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             table.data.copy_(dequantize_int8(q8))
 
+    def bind_head(self, weight: quant_cpu.PackedWeight | None) -> None:
+        """The head on the native INT8 kernel, from blocks already in its layout (a mapped cache of a
+        prepared load, llmd.daemon.weights.prepared_cache, which also gives a tied table its empty
+        shape); None: no INT8 head."""
+        self._head_blocks = None
+        self.head_q8 = None if weight is None else Int8Head.from_packed(weight)
+
     def use_dense_head(self) -> None:
         """Unbind the Q8_0 head's kernel: the head, and a tied table read from it, become the dense
         weights holding its values exactly (the exact path the quality tests hold the kernels to)."""
