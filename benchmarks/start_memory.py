@@ -12,8 +12,9 @@ so both find it in the page cache: a warm start, what a desktop sees after the f
   peak     the process's peak RSS (VmHWM) by then: the load's
   idle     RSS one second later
   16x1k    RSS after 16 concurrent requests of 1,000 prompt tokens and 16 new tokens
-llmd only: the idle unload (`--idle-unload`, a few seconds here), RSS after it, and the reload's time
-(a one-token request after the unload) against `answer`.
+llmd starts twice: first with an empty weights cache (the start that writes it: `llmd, first`), then
+mapping it (`llmd`, as every later start). llmd only: the idle unload (`--idle-unload`, a few seconds
+here), RSS after it, and the reload's time (a one-token request after the unload) against `answer`.
 llama-server gets `-np 16` and `-c` = llmd's KV capacity (its info's kv_cache_tokens), or what 16 x 1k
 needs where that is more (marked *); `--llama-server-ctx needed`: what 16 x 1k needs, whatever llmd
 holds (llama.cpp writes its whole cache at start, so its RSS follows `-c`; llmd's default pool reserves
@@ -137,21 +138,38 @@ def in_threads(fn: Any, items: list[Any]) -> None:
         raise errors[0]
 
 
-def measure_llmd(model: Path, tmp: Path, idle_unload_s: float) -> dict[str, Any]:
+def weights_cache_home(tmp: Path) -> Path:
+    """An XDG cache directory whose llmd weights cache starts empty, sharing the user's native builds
+    and tokenizers (so the first start measured is the one that writes the weights cache, nothing else)."""
+    home = tmp / "cache"
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmd"
+    (home / "llmd").mkdir(parents=True)
+    for name in ("native", "tokenizers"):
+        (user / name).mkdir(parents=True, exist_ok=True)
+        (home / "llmd" / name).symlink_to(user / name, target_is_directory=True)
+    return home
+
+
+def measure_llmd(model: Path, tmp: Path, idle_unload_s: float, full: bool = True) -> dict[str, Any]:
+    """``full``: the 16 streams and the idle unload too, else only the start (up, answer, peak, idle)."""
     from llmd.client import Client
     from llmd.paths import CONNECTION_FILE
 
-    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp / "config"), XDG_STATE_HOME=str(tmp / "state"))
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp / "config"), XDG_STATE_HOME=str(tmp / "state"),
+               XDG_CACHE_HOME=str(tmp / "cache"))
     socket_dir = tmp / "run"
     cmd = [sys.executable, "-m", "llmd", "start", "--foreground", "--model", str(model), "--socket-dir",
            str(socket_dir), "--idle-unload", str(idle_unload_s / 60)]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # (its log to a file: a pipe nobody reads while it runs would stall a daemon that logs much)
+    log_path = tmp / f"llmd-{start:.0f}.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
     out: dict[str, Any] = {}
     try:
         while not (socket_dir / CONNECTION_FILE).is_file():
             if proc.poll() is not None:
-                raise RuntimeError(f"llmd exited: {proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"llmd exited: {log_path.read_text()[-2000:]}")
             time.sleep(0.01)
         with Client(socket_dir) as client:
             client.health()
@@ -162,6 +180,8 @@ def measure_llmd(model: Path, tmp: Path, idle_unload_s: float) -> dict[str, Any]
             time.sleep(1.0)
             out["idle"] = rss_mib(proc.pid)
             out["kv_tokens"] = client.info()["kv_cache_tokens"]
+        if not full:
+            return out
 
         def one(ids: list[int]) -> None:
             with Client(socket_dir) as c:
@@ -186,10 +206,13 @@ def measure_llmd(model: Path, tmp: Path, idle_unload_s: float) -> dict[str, Any]
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        # what the loads did (converted and wrote the weights cache, or mapped it), for the report
+        out["loads"] = [line.removeprefix("llmd: ")[:160] for line in log_path.read_text().splitlines()
+                        if line.startswith(("llmd: loaded ", "llmd: wrote the prepared"))]
     return out
 
 
-def _post(port: int, path: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+def _post(port: int, path: str, body: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -263,10 +286,16 @@ def main() -> None:
         size_mib = model.stat().st_size / 2**20
         read_through(model)
         with tempfile.TemporaryDirectory() as tmp:
+            weights_cache_home(Path(tmp))
+            first = measure_llmd(model, Path(tmp), args.idle_unload, full=False)  # writes the weights cache
+            os.sync()  # on disk, as by any later start (not still being written back while the next maps it)
             ours = measure_llmd(model, Path(tmp), args.idle_unload)
         print(f"\n{name}: {model.name}, {size_mib:.0f} MiB; llmd's KV capacity {ours['kv_tokens']} tokens")
         print(f"  {'':13}{'up s':>7}{'answer s':>10}{'peak MiB':>10}{'idle MiB':>10}{'16x1k MiB':>11}")
+        row(first | {"16x1k": float("nan")}, "llmd, first")
         row(ours, "llmd")
+        for line in first["loads"] + ours["loads"]:
+            print(f"    {line}")
         theirs = None
         if args.llama_server and not args.no_llama_server:
             # the same capacity, but never less than the 16 requests need (llama-server splits -c among its

@@ -163,10 +163,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         weights = iter_safetensors(files)
     key = _cache_key(source, quant, dtype, device, plan) if weights_cache else None
     if key is not None and (model := _load_cached(source, config, dtype, attention, plan, key)) is not None:
-        log.info("loaded %s (%s, %d layers) in %.2fs, mapping %s; weights: %s", source.name, config.model_type,
-                 config.num_layers, time.perf_counter() - start, prepared_cache.cache_path(key),
-                 describe(weight_memory(model)))
-        return LoadedModel(model=model, config=config, source=source)
+        return _loaded(model, config, source, start, f", mapping {prepared_cache.cache_path(key)}")
     streamed = {path: spec for path, spec in plan.items() if path not in calibrated}
     with torch.device(device):
         model = LlamaForCausalLM(config, dtype=dtype, attn_backend=attention, make_linear=linear_factory(streamed))
@@ -183,7 +180,12 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     if key is not None:  # cached and mapped: the converted copy goes, the file's pages serve as at later loads
         model = _save_and_map(model, source, config, quant, dtype, attention, plan, key) or model
     release_free_memory()  # the tensors' intermediate forms, freed into the heap: back to the system
-    log.info("loaded %s (%s, %d layers) in %.1fs; weights: %s; kernels: %s", source.name, config.model_type,
-             config.num_layers, time.perf_counter() - start, describe(weight_memory(model)),
+    return _loaded(model, config, source, start, "")
+
+
+def _loaded(model: LlamaForCausalLM, config: ModelConfig, source: ModelSource, start: float, how: str
+            ) -> LoadedModel:
+    log.info("loaded %s (%s, %d layers) in %.2fs%s; weights: %s; kernels: %s", source.name, config.model_type,
+             config.num_layers, time.perf_counter() - start, how, describe(weight_memory(model)),
              ", ".join(f"{k} {v}" for k, v in model.kernels().items()))
     return LoadedModel(model=model, config=config, source=source)

@@ -67,8 +67,10 @@ class Int8Linear(QuantizedLinear):
         group_size = group_size or in_features
         check_group_size(in_features, group_size)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.zeros(out_features, in_features // group_size, dtype=torch.float16))
+        # (empty, never zeroed, as Int4Linear's: a page written is resident, and a load bound to a mapped
+        # weights cache never writes them; load_weights refuses a checkpoint that leaves rows unloaded)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, in_features // group_size, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.cpu_path = "reference"  # set by prepare()
         self.native: quant_cpu.PackedWeight | None = None  # the `native` path's weight (its tensors are buffers)

@@ -172,8 +172,10 @@ def test_the_key_follows_the_code(gguf_path, cache, monkeypatch) -> None:
     monkeypatch.setattr(prepared_cache, "layout_fingerprint", lambda: "a changed repack")
     assert key != prepared_cache.cache_key(source, "auto", None, torch.float32)
     # every file that converts weights counts: the repack, the fitter, the GGUF reader
-    sources = {str(p) for p in prepared_cache.LAYOUT_SOURCES}
+    sources = set(prepared_cache.LAYOUT_SOURCES)
     assert {"kernels/cpu/repack.c", "quant", "daemon/weights"} <= sources
+    root = Path(prepared_cache.__file__).resolve().parents[2]
+    assert all((root / rel).exists() for rel in sources)  # a moved file would silently leave the key
 
 
 def test_nothing_is_cached_where_the_native_kernels_do_not_hold_it(gguf_path, hf_dir, cache, monkeypatch) -> None:

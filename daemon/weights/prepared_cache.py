@@ -131,8 +131,8 @@ def cacheable(model: nn.Module) -> str | None:
     head = getattr(model, "head_q8", None)
     if head is not None and not isinstance(head.matmul, quant_cpu.PackedWeight):
         return "its head is not on the native kernels"
-    if next(model.parameters()).device.type != "cpu":
-        return "it is not on the CPU"
+    if any(p.device.type != "cpu" or p.dtype not in _NAMES for p in model.parameters()):
+        return "a weight is not on the CPU, or of a dtype the cache does not hold"
     return None
 
 
