@@ -126,12 +126,13 @@ def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_llama_gguf(model: Any, path: Path, quantize_type: str = "F32",
                      extra_tensor: tuple[str, str] | None = None, per_module: dict[str, str] | None = None,
-                     head_type: str = "F32") -> Path:
+                     head_type: str | None = None) -> Path:
     """Write a transformers Llama model as a llama.cpp-style GGUF file.
 
     Args:
         quantize_type: GGML type for the 2-D projection weights (``F32``, ``Q8_0``, ``Q4_0``...).
-        head_type: GGML type for the output head (the token embedding when tied), e.g. ``Q8_0``.
+        head_type: GGML type for the output head (the token embedding when tied), e.g. ``Q8_0``;
+            by default an untied head takes ``quantize_type`` and a tied one stays F32.
         per_module: GGML type for some projections instead, by module (``{"self_attn.v_proj": "Q8_0"}``).
         extra_tensor: ``(name, ggml_type)`` to add a zero-filled tensor of another type, for tests
             of unsupported types.
@@ -175,10 +176,11 @@ def write_llama_gguf(model: Any, path: Path, quantize_type: str = "F32",
             w = _permute_for_gguf(w, cfg.num_attention_heads)
         elif hf.endswith("k_proj.weight"):
             w = _permute_for_gguf(w, cfg.num_key_value_heads)
-        if gname == ("token_embd.weight" if cfg.tie_word_embeddings else "output.weight"):
+        head = gname == ("token_embd.weight" if cfg.tie_word_embeddings else "output.weight")
+        if head and head_type is not None:
             qtype = gguf.GGMLQuantizationType[head_type]
         if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and (
-                gname != "token_embd.weight" or cfg.tie_word_embeddings):
+                gname != "token_embd.weight" or (head and head_type is not None)):
             writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, w.astype(np.float32))
