@@ -221,6 +221,7 @@ DAMAGE = {
     "another key": _edit(lambda h: h.__setitem__("key", "0" * 32)),
     "a tensor the model lacks": _edit(lambda h: h["tensors"].__setitem__("evil", ["uint8", [1], 0])),
     "an empty header": _edit(lambda h: h.clear()),
+    "a header nested too deep": lambda raw: raw[:8] + struct.pack("<Q", 200_000) + b"[" * 200_000,
 }
 
 

@@ -249,7 +249,10 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
         raw = f.read(n)
     if len(raw) != n:
         raise ValueError("the file ends inside its header")
-    header = json.loads(raw)
+    try:
+        header = json.loads(raw)
+    except RecursionError:  # nested too deep for the parser
+        raise ValueError("a header nested too deep") from None
     if not isinstance(header, dict) or not all(isinstance(header.get(k), str) for k in ("key", "source", "settings")):
         raise ValueError("a header without its key, source or settings")
     if not isinstance(header.get("packed"), dict) or not isinstance(header.get("tensors"), dict):
