@@ -21,12 +21,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from llmd.daemon.remote_model import MAX_ERROR_BODY_BYTES, RemoteModel, StreamReader
 from llmd.protocol import ErrorCode, ProtocolError
+
+if TYPE_CHECKING:
+    import httpx
+
+# NOTE: httpx (~0.1 s, with its CLI's click and rich) is imported where a remote is served, inside
+# the runner's methods: a daemon without remotes, which never builds a runner, does not pay for it
+# before its first answer.
 
 log = logging.getLogger("llmd.server")
 
@@ -134,6 +139,8 @@ class RemoteRunner:
     # ---- the runner's thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        import httpx
+
         asyncio.set_event_loop(self._loop)
         try:
             for remote in self.remotes:
@@ -158,6 +165,8 @@ class RemoteRunner:
         self._wake()
 
     async def _stream(self, request: RemoteRequest) -> None:
+        import httpx
+
         remote = request.remote
         reader = StreamReader(chat=request.path == "/chat/completions")
         try:
@@ -216,6 +225,8 @@ class RemoteRunner:
 
     async def _probe(self, remote: RemoteModel) -> None:
         """``GET /models``: reachable, the key taken, and the model listed."""
+        import httpx
+
         start, timeout = time.monotonic(), remote.table.connect_timeout
         try:
             async with self._clients[remote.name].stream("GET", "/models", timeout=timeout) as response:
@@ -269,6 +280,8 @@ async def sse_lines(parts: AsyncIterator[bytes]) -> AsyncIterator[str]:
 def _transport_error(remote: RemoteModel, e: httpx.HTTPError, read_timeout: float) -> ProtocolError:
     """A failure below HTTP as llmd's typed error: no connection, a timeout, or a broken exchange.
     ``read_timeout``: the silence the exchange allowed."""
+    import httpx
+
     where, t = f"the remote model {remote.name} ({remote.host})", remote.table
     if isinstance(e, httpx.ConnectTimeout):
         return ProtocolError(ErrorCode.REMOTE_TIMEOUT, f"{where} did not accept a connection within "

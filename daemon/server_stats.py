@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from llmd import __version__
+import llmd
 from llmd.daemon.intake import LiveRequest
 from llmd.daemon.model_set import ModelSet
 from llmd.daemon.remote_model import RemoteModel
@@ -63,7 +63,7 @@ class ServerStats:
         """The daemon and its default model; with ``model``, that model instead of the default."""
         model = model or self.models.default
         engine = model.engine
-        return {**self.model_info, **model.info, "name": model.name, "version": __version__, "pid": os.getpid(),
+        return {**self.model_info, **model.info, "name": model.name, "version": llmd.__version__, "pid": os.getpid(),
                 "started": self.started, "max_model_len": engine.max_model_len, "block_size": engine.config.block_size,
                 "num_blocks": engine.num_blocks, "speculative": engine.config.speculative,
                 "models": self.describe_models(), **self.limits}
@@ -71,7 +71,7 @@ class ServerStats:
     def daemon_info(self) -> dict[str, Any]:
         """``info``'s fields of the daemon alone (a remote model's ``info`` adds its own)."""
         own = {k: self.model_info.get(k) for k in ("log_file", "journal", "http")}
-        return {**own, "version": __version__, "pid": os.getpid(), "started": self.started,
+        return {**own, "version": llmd.__version__, "pid": os.getpid(), "started": self.started,
                 "models": self.describe_models(), **self.limits}
 
     def live_view(self, live: Mapping[str, LiveRequest]) -> dict[str, Any]:

@@ -6,17 +6,10 @@ pieces live in :mod:`llmd.daemon` and are imported where they are used.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from llmd.kernels import cpu_profile
 
 # NOTE: before anything imports torch: LLMD_CPU=avx2|portable caps torch's own CPU dispatch too.
 cpu_profile.apply_torch_env()
-
-try:
-    __version__ = version("llmd")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
 
 __all__ = ["AsyncClient", "Client", "LLM", "SamplingParams", "__version__"]
 
@@ -28,8 +21,21 @@ _LAZY = {
 }
 
 
+def _version() -> str:
+    # (importlib.metadata costs ~30 ms of every command's start and the daemon's, asked for or not)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llmd")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0.0.0+unknown"
+
+
 def __getattr__(name: str) -> object:
     # NOTE: lazy, so `import llmd` (and the CLI's --help) does not pay for torch.
+    if name == "__version__":
+        globals()["__version__"] = found = _version()
+        return found
     if name in _LAZY:
         import importlib
 

@@ -15,10 +15,19 @@ import os
 import sys
 from collections.abc import Sequence
 
-from llmd import __version__
+import llmd
 from llmd.commands import COMMANDS
 from llmd.errors import LlmdError
 from llmd.kernels import cpu_profile
+
+
+class _Version(argparse.Action):
+    """``--version``: the version looked up when asked (argparse's own action needs it at build)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"llmd {llmd.__version__}")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llmd",
         description="llmd: a local LLM inference daemon. Run `llmd COMMAND --help` for a command's options.",
     )
-    parser.add_argument("--version", action="version", version=f"llmd {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show llmd's version and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:

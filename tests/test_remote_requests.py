@@ -188,3 +188,16 @@ def test_a_runaway_answer_is_cut() -> None:
     reader.feed('{"choices": [{"delta": {"content": "12345"}}]}')
     with pytest.raises(ProtocolError, match="runaway"):
         reader.feed('{"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "678901"}}]}}]}')
+
+
+def test_a_daemon_without_remotes_never_imports_httpx() -> None:
+    """httpx (~0.1 s with its CLI's click and rich) is imported by the remote runner's methods, so a
+    daemon that serves no remote model does not pay for it before its first answer."""
+    import subprocess
+    import sys
+
+    code = ("import sys, llmd.cli, llmd.daemon.serve, llmd.daemon.server, llmd.daemon.remote_runner\n"
+            "print(sorted(m for m in ('httpx', 'click', 'rich') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
