@@ -93,14 +93,22 @@ def repack_q4x8(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     return w, group_scales(scales), group_scales(mins)
 
 
-def unpack_q4x8(w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int
+def unpack_q4x8(w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`repack_q4x8`: ``(packed, scales, mins)`` in llmd.quant's layout."""
+    """Inverse of :func:`repack_q4x8`: ``(packed, scales, mins)`` in llmd.quant's layout (a
+    symmetric weight's mins, None here, as the -8 * scale they stand for)."""
     groups, nb, _ = w.shape
     b = w.reshape(groups, nb, 4, 8, 4)  # [G, b, j, i, t]
     q = torch.stack((b & 0x0F, b >> 4), dim=-1)  # [G, b, j, i, t, h]
     q = q.permute(0, 3, 1, 5, 2, 4).reshape(groups * 8, nb * 32)[:n]
-    return pack_int4(q), _ungroup_scales(scales, n), _ungroup_scales(mins, n)
+    scales = _ungroup_scales(scales, n)
+    return pack_int4(q), scales, -8.0 * scales if mins is None else _ungroup_scales(mins, n)
+
+
+def symmetric_mins(scales: torch.Tensor, mins: torch.Tensor | None) -> bool:
+    """Whether INT4 ``mins`` are each -8 times their scale (GGUF Q4_0, llmd's symmetric INT4): the
+    native kernels then compute them (exactly) and hold none. ``-8.0 * scales`` is exact in fp16."""
+    return mins is None or torch.equal(mins, -8.0 * scales)
 
 
 def repack_q8x8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +205,9 @@ class PackedWeight:
         kind: :data:`Q4X8` (INT4, ``w = scale * q + min``) or :data:`Q8X8` (INT8, ``w = scale * q``).
         n, k: output and input features.
         group_size: inputs per scale (a multiple of 32).
-        w, scales, mins: as :func:`repack_q4x8` / :func:`repack_q8x8` lay them out (``mins`` None for INT8).
+        w, scales, mins: as :func:`repack_q4x8` / :func:`repack_q8x8` lay them out. ``mins`` is None for
+            INT8, and for a symmetric INT4 weight (each min -8 * its scale: GGUF Q4_0), whose
+            kernels compute them: the same bits, and 2 bytes less per group of each row.
     """
 
     kind: int
@@ -211,7 +221,8 @@ class PackedWeight:
     @classmethod
     def from_int4(cls, qw: Int4Tensors) -> PackedWeight:
         n, k = qw.packed.shape[0], 2 * qw.packed.shape[1]
-        return cls(Q4X8, n, k, qw.group_size, *repack_q4x8(qw.packed, qw.scales, qw.mins))
+        w, scales, mins = repack_q4x8(qw.packed, qw.scales, qw.mins)
+        return cls(Q4X8, n, k, qw.group_size, w, scales, None if symmetric_mins(scales, mins) else mins)
 
     @classmethod
     def from_int8(cls, qw: Int8Tensors, consume: bool = False) -> PackedWeight:

@@ -115,10 +115,11 @@ class Q4Blocks:
         """llmd.quant's INT4 layout (lossless)."""
         return Int4Weight(_repack_nibbles(self._nibbles()), *self._scales_mins(), BLOCK)
 
-    def native_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def native_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(w, scales, mins)`` in the native kernels' layout (kernels/quant_cpu.repack_q4x8: per 8
         rows and block, byte ``32j + 4i + t`` holds row ``i``'s weights ``4j + t`` and ``16 + 4j + t``,
-        which is GGUF's byte ``4j + t`` of that row's block). Needs whole groups of 8 rows."""
+        which is GGUF's byte ``4j + t`` of that row's block); ``mins`` None for Q4_0, whose mins the
+        kernels compute (-8 * scale). Needs whole groups of 8 rows."""
         n, nb, size = self.raw.shape
         if n % 8:
             raise ValueError(f"the native layout takes rows in groups of 8, got {n}")
@@ -130,7 +131,8 @@ class Q4Blocks:
             if quant_cpu.interleave_rows(self.raw, w, n // 8, nb, row=nb * size, block=size, off=nibbles_at, chunks=4) \
                     and quant_cpu.gather_scales(self.raw, scales, row=nb * size, block=size, off=0) \
                     and (mins is None or quant_cpu.gather_scales(self.raw, mins, row=nb * size, block=size, off=2)):
-                return w, scales, -8.0 * scales if mins is None else mins  # Q4_0: w = d (q - 8)
+                return w, scales, mins
         w = self._nibbles().reshape(n // 8, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, nb, 128)
         scales, mins = self._scales_mins()
-        return w.contiguous(), quant_cpu.group_scales(scales), quant_cpu.group_scales(mins)
+        return (w.contiguous(), quant_cpu.group_scales(scales),
+                None if self.kind == "Q4_0" else quant_cpu.group_scales(mins))

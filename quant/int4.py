@@ -135,7 +135,13 @@ class Int4Linear(QuantizedLinear):
             return None
         parts = [blocks.native_parts() for _, blocks in sorted(self._staged, key=lambda s: s[0])]
         self._staged = []
-        w, scales, mins = (torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
+
+        def cat(ts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(ts) if len(ts) > 1 else ts[0]
+
+        w, scales = cat([p[0] for p in parts]), cat([p[1] for p in parts])
+        # Q4_0 parts come without mins (the kernels compute them); beside Q4_1 ones they need theirs
+        mins = None if all(m is None for *_, m in parts) else cat([-8.0 * s if m is None else m for _, s, m in parts])
         return quant_cpu.PackedWeight(quant_cpu.Q4X8, self.out_features, self.in_features, self.group_size,
                                       w, scales, mins)
 

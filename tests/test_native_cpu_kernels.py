@@ -5,6 +5,7 @@ cannot be had."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -107,6 +108,27 @@ def test_int8_matches_reference_within_fp32_rounding(lib, m: int, n: int, k: int
     weight = PackedWeight.from_int8(qw)
     terms = x.abs() @ (qw.qweight.float().abs() * qw.scales.float().max()).t()
     assert close_in_fp32(weight(x, lib), quant_cpu.qgemm_ref(x, weight), terms)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_symmetric_int4_is_held_without_mins_and_gives_the_same_bits(lib, m: int, n: int, k: int) -> None:
+    """A symmetric INT4 weight (GGUF Q4_0: every min -8 * its scale) is held without mins, the
+    kernels computing each: the bits its stored mins give, in every build and batch, in less memory.
+    An asymmetric one keeps its mins."""
+    g = torch.Generator().manual_seed(3 * m + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    for group_size in [s for s in (32, 64, 128) if k % s == 0]:
+        qw = quantize_int4(w, group_size, symmetric=True)
+        held = PackedWeight.from_int4(qw)
+        assert held.mins is None
+        stored = dataclasses.replace(held, mins=quant_cpu.repack_q4x8(qw.packed, qw.scales, qw.mins)[2])
+        assert held.nbytes < stored.nbytes
+        got = held(x, lib)
+        assert torch.equal(got, stored(x, lib))
+        assert torch.equal(got[-1:], held(x[-1:], lib))
+        assert torch.equal(dequantize_int4(Int4Weight(*quant_cpu.unpack_q4x8(held.w, held.scales, None, n),
+                                                      group_size)), dequantize_int4(qw))
+    assert PackedWeight.from_int4(quantize_int4(w, 32)).mins is not None
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)

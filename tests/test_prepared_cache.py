@@ -125,6 +125,22 @@ def test_a_gguf_load_writes_the_cache_and_later_loads_map_it(gguf_path, cache, d
     assert str(path) not in mapped_files()  # unloading the model unmaps the file
 
 
+def test_q4_0_projections_are_held_and_cached_without_mins(tmp_path, cache) -> None:
+    """GGUF Q4_0 blocks (w = d (q - 8)) go to the kernels without mins, which they compute: the
+    converted model, the cache file and its mapped load hold none, and compute the same."""
+    hf = make_hf_model("llama", vocab_size=512, hidden_size=128, intermediate_size=256)
+    source = resolve_model(write_llama_gguf(hf, tmp_path / "q4_0.gguf", quantize_type="Q4_0", head_type="Q8_0"))
+    converted = load(source, quant=QuantConfig("auto")).model
+    layers = [m for m in converted.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.cpu_path == "native" and m.native.mins is None for m in layers)
+    load(source, quant=QuantConfig("auto"), weights_cache=True)
+    again = load(source, quant=QuantConfig("auto"), weights_cache=True).model
+    assert_same_model(converted, again)  # (tensors() lists mins where a layer holds them)
+    [path] = cache_files(cache)
+    header = path.read_bytes()[:1 << 16]
+    assert b"#scales" in header and b"#mins" not in header
+
+
 @pytest.mark.parametrize("scheme,group_size", [("int4", 32), ("int8", None), ("int8", 64)])
 def test_a_float_checkpoint_is_fitted_once(hf_dir, cache, monkeypatch, scheme, group_size) -> None:
     source = resolve_model(hf_dir)

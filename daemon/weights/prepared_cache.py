@@ -312,7 +312,7 @@ def _packed_weight(mapped: _Mapped, name: str, kind: int, n: int, k: int, group_
     groups, blocks = -(-n // 8), k // quant_cpu.QK
     want = {"w": ((groups, blocks, 128 if kind == quant_cpu.Q4X8 else 256), torch.uint8),
             "scales": ((groups, k // group_size, 8), torch.float16)}
-    if kind == quant_cpu.Q4X8:
+    if kind == quant_cpu.Q4X8 and f"{name}#mins" in mapped.tensors:  # (none: symmetric, GGUF Q4_0)
         want["mins"] = want["scales"]
     for part, (shape, dtype) in want.items():
         got = t.get(f"{name}#{part}")

@@ -34,7 +34,7 @@ typedef struct {
     int32_t kind, group; /* enum llmd_weight_kind; inputs per scale */
     int64_t n, k;        /* output and input features (n unpadded) */
     const uint8_t *w;
-    const uint16_t *scales, *mins; /* fp16 [ceil(n/8), k/group, 8]; mins NULL for Q8X8 */
+    const uint16_t *scales, *mins; /* fp16 [ceil(n/8), k/group, 8]; mins NULL for Q8X8 and symmetric Q4X8 */
     const float *bias;             /* [n] or NULL */
 } llmd_linear;
 

@@ -50,7 +50,8 @@ void llmd_q8_quantize_body(const float *x, int64_t M, int64_t K, int8_t *xq, flo
 void llmd_q8_quantize_row(const float *x, int64_t K, int8_t *xq, float *xd, float *xm);
 
 /* out[m * ldo + n] = x[m] . W[n] for n < N, from activations quantised by llmd_q8_quantize_body.
- * Q4X8: w, scales, mins as laid out by llmd.kernels.quant_cpu.repack_q4x8; Q8X8: mins is NULL. */
+ * Q4X8: w, scales, mins as laid out by llmd.kernels.quant_cpu.repack_q4x8 (mins NULL: symmetric,
+ * each min -8 * its scale); Q8X8: mins is NULL. */
 void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *xm, int64_t M, int64_t K,
                      const uint8_t *w, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t group,
                      float *out, int64_t ldo);

@@ -14,7 +14,9 @@
  * (vpmaddubsw + vpmaddwd), lane i gathers row i's dot product: no horizontal sums, and the scales
  * of the 8 rows are one vector. INT4 packs two chunks per vector (chunk j in the low nibbles, chunk
  * j + 4 in the high ones): 128 bytes per 8 rows and block; INT8 takes 256. Scales (and INT4 mins)
- * are fp16 [N/8, K/group, 8].
+ * are fp16 [N/8, K/group, 8]. A symmetric INT4 weight (GGUF Q4_0: w = scale * (q - 8)) comes without
+ * mins (NULL): each is -8 * scale, computed exactly in fp32, so the same bits as with them stored,
+ * and 2 bytes fewer per group and row to hold and read.
  *
  * Order of operations, the same in every build (AVX2 or portable C: the same bits), batch size and
  * thread count: per output, blocks in order, acc = fma(float(dot), w_scale * xd, acc), then for int4
@@ -182,7 +184,8 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
     for (int64_t b = 0; b < nb; b++) {
         const int64_t g = b / bpg;
         const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + g * 8)));
-        const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + g * 8)));
+        const __m256 wm = mg ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + g * 8)))
+                             : _mm256_mul_ps(ws, _mm256_set1_ps(-8.0f)); /* symmetric: min = -8 scale */
         const uint8_t *wb = wg + b * 128;
         __m256i s[MT]; /* int32 sums (VNNI) or int16 pair sums (AVX2) per row of the group */
         for (int m = 0; m < mt; m++) s[m] = _mm256_setzero_si256();
@@ -233,7 +236,8 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
                 for (int k = 0; k < QK; k++) dot += w[i][k] * x[k];
                 float acc = res[8 * m + i];
                 acc = fmaf((float)dot, llmd_f16_to_f32(sg[g * 8 + i]) * xd[m * nb + b], acc);
-                res[8 * m + i] = fmaf(llmd_f16_to_f32(mg[g * 8 + i]), xm[m * nb + b], acc);
+                const float wmin = mg ? llmd_f16_to_f32(mg[g * 8 + i]) : -8.0f * llmd_f16_to_f32(sg[g * 8 + i]);
+                res[8 * m + i] = fmaf(wmin, xm[m * nb + b], acc);
             }
         }
     }
@@ -362,7 +366,8 @@ static inline __attribute__((always_inline)) void q4x16_tile(const uint8_t *wg, 
     for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int64_t g = b / bpg;
-        const __m512 ws = scales_pair(sg + g * 8, sstride), wm = scales_pair(mg + g * 8, sstride);
+        const __m512 ws = scales_pair(sg + g * 8, sstride);
+        const __m512 wm = mg ? scales_pair(mg + g * 8, sstride) : _mm512_mul_ps(ws, _mm512_set1_ps(-8.0f));
         const uint8_t *wb = wg + b * 128;
         __m512i s[MT];
         for (int m = 0; m < mt; m++) s[m] = _mm512_setzero_si512();
