@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmd import paths
 from llmd.daemon.model_config import ModelConfig
 from llmd.daemon.model_source import ModelSource
 from llmd.daemon.snapshot_tokenizer import SnapshotTokenizer, can_snapshot, read_snapshot, write_snapshot
@@ -26,8 +27,7 @@ _TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmd" / "tokenizers"
+    return paths.cache_home() / "tokenizers"
 
 
 def load_tokenizer(source: ModelSource) -> Any:

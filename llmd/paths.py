@@ -158,6 +158,13 @@ def default_models_dir() -> Path:
     return _xdg_base("XDG_DATA_HOME", ".local/share") / "llmd" / "models"
 
 
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME/llmd`` (default ``~/.cache/llmd``): what llmd can build again (tokenizer
+    snapshots, prepared weights). Not created. (kernels/native.py finds its builds' directory the
+    same way on its own: kernels import nothing from llmd but its errors.)"""
+    return _xdg_base("XDG_CACHE_HOME", ".cache") / "llmd"
+
+
 def _xdg_base(variable: str, under_home: str) -> Path:
     """An XDG base directory: ``$variable``, else ``~/under_home``."""
     return Path(os.environ.get(variable) or Path.home() / under_home)

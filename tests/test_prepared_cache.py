@@ -22,6 +22,7 @@ from llmd.daemon.model_source import resolve_model
 from llmd.daemon.quantization import QuantConfig
 from llmd.daemon.reference_generator import Generator
 from llmd.daemon.weights import prepared_cache
+from llmd.daemon.weights.cache_files import SUFFIX, data_start
 from llmd.quant import int4_fit
 from llmd.quant.int4 import Int4Linear
 from llmd.quant.int8 import Int8Linear
@@ -61,13 +62,13 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def cache_files(cache: Path) -> list[Path]:
-    return sorted(cache.glob(f"*{prepared_cache.SUFFIX}")) if cache.is_dir() else []
+    return sorted(cache.glob(f"*{SUFFIX}")) if cache.is_dir() else []
 
 
 def mapped_files() -> set[str]:
     """The cache files this process maps."""
     with open("/proc/self/maps") as f:
-        return {line.split()[-1] for line in f if line.rstrip().endswith(prepared_cache.SUFFIX)}
+        return {line.split()[-1] for line in f if line.rstrip().endswith(SUFFIX)}
 
 
 def tensors(model) -> dict[str, torch.Tensor]:
@@ -208,8 +209,8 @@ def _rewrite_header(raw: bytes, change) -> bytes:
     header = json.loads(raw[16:16 + n])
     change(header)
     new = json.dumps(header).encode()
-    start = prepared_cache._data_start(n)
-    assert prepared_cache._data_start(len(new)) == start, "the edit must not move the data"
+    start = data_start(n)
+    assert data_start(len(new)) == start, "the edit must not move the data"
     return raw[:8] + struct.pack("<Q", len(new)) + new + b"\0" * (start - 16 - len(new)) + raw[start:]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from tiny_models import make_hf_model, save_hf_model, write_llama_gguf
 
 from llmd.daemon import hf_cache
 from llmd.daemon.model_catalog import human_size
+from llmd.daemon.weights import cache_files
 from llmd.errors import ModelNotFoundError
 
 pytestmark = pytest.mark.profile_independent
@@ -44,10 +46,11 @@ def hub():
         yield h
 
 
-def llmd(*argv: str, cache: Path, endpoint: str, offline: bool = False) -> subprocess.CompletedProcess:
+def llmd(*argv: str, cache: Path, endpoint: str, offline: bool = False,
+         env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env |= {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
+            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "", **(env_extra or {})}
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     return subprocess.run([sys.executable, "-m", "llmd", *argv], capture_output=True, text=True, env=env, timeout=300,
@@ -99,7 +102,8 @@ def test_a_pulled_safetensors_repo_is_served_with_no_network(hub: FakeHub, tiny_
     # a duplicate of the repo (a copy shares its git history: the same commit hash) is left alone
     hub.add_repo("org/twin", tiny_files)
     assert llmd("pull", "org/twin", cache=cache, endpoint=hub.url).returncode == 0
-    proc = llmd("rm", "org/tiny", cache=cache, endpoint=hub.url, offline=True)
+    proc = llmd("rm", "org/tiny", cache=cache, endpoint=hub.url, offline=True,
+                env_extra={"XDG_CACHE_HOME": str(tmp_path / "xdg")})  # (no prepared weights to sweep beside it)
     assert proc.returncode == 0 and "removed org/tiny" in proc.stdout, proc.stderr
     size = sum(len(data) for data in tiny_files.values())
     assert f"({human_size(size)} freed)" in proc.stdout
@@ -137,8 +141,19 @@ def test_a_gguf_file_is_pulled_by_its_tag(hub: FakeHub, gguf_bytes, tmp_path: Pa
 
     proc = llmd("pull", "org/tiny-GGUF:F32", cache=cache, endpoint=hub.url)
     assert proc.returncode == 0, proc.stderr
-    proc = llmd("rm", "org/tiny-GGUF:Q8_0", cache=cache, endpoint=hub.url, offline=True)
+    # prepared weights of both files, as loads would have written them: the removed file's go with it
+    weights = tmp_path / "xdg" / "llmd" / "weights"
+    weights.mkdir(parents=True)
+    snapshot = next((cache / "models--org--tiny-GGUF" / "snapshots").iterdir())
+    for name, tag in (("q8", "Q8_0"), ("f32", "F32")):
+        header = json.dumps({"key": name, "source": str((snapshot / f"tiny-{tag}.gguf").resolve()), "settings": "auto",
+                             "packed": {}, "tensors": {}}).encode()
+        (weights / f"{name}{cache_files.SUFFIX}").write_bytes(cache_files.MAGIC + struct.pack("<Q", len(header))
+                                                              + header + bytes(4096))
+    proc = llmd("rm", "org/tiny-GGUF:Q8_0", cache=cache, endpoint=hub.url, offline=True,
+                env_extra={"XDG_CACHE_HOME": str(tmp_path / "xdg")})
     assert proc.returncode == 0 and "removed org/tiny-GGUF:Q8_0" in proc.stdout, proc.stderr
+    assert sorted(f.name for f in weights.iterdir()) == [f"f32{cache_files.SUFFIX}"]
     assert set(listed(cache, hub.url)) >= {"org/tiny-GGUF:F32"} and "org/tiny-GGUF:Q8_0" not in listed(cache, hub.url)
     blobs = list((cache / "models--org--tiny-GGUF" / "blobs").iterdir())
     assert [b.read_bytes() == gguf_bytes["F32"] for b in blobs] == [True]  # the Q8_0 blob is gone, the F32 stays

@@ -119,6 +119,23 @@ def test_gguf_q4_blocks_become_the_native_layout_by_bytes_alone(qtype, monkeypat
     assert torch.equal(dequantize_int4(odd.weight()), exact)
 
 
+def test_a_layer_of_q4_0_and_q4_1_shards_keeps_mins_for_all() -> None:
+    """A fused layer whose shards come as Q4_0 (no mins held: the kernels compute them) and Q4_1
+    (stored mins) holds -8 * scale for the Q4_0 rows beside the Q4_1 ones, and the exact weight."""
+    w = weight(n=24, k=320).numpy()
+    q4_0, q4_1 = gguf.quants.quantize(w, Q.Q4_0), gguf.quants.quantize(w, Q.Q4_1)
+    exact = torch.cat([torch.from_numpy(gguf.quants.dequantize(q4_0, Q.Q4_0).reshape(w.shape))[:16],
+                       torch.from_numpy(gguf.quants.dequantize(q4_1, Q.Q4_1).reshape(w.shape))[16:]])
+    layer = Int4Linear(320, 24, 32)
+    layer.load_rows(0, Q4Blocks.of(q4_0[:16], "Q4_0"))
+    layer.load_rows(16, Q4Blocks.of(q4_1[16:], "Q4_1"))
+    if quant_cpu.cpu_path(torch.float32, 320) != "native":
+        pytest.skip("the native kernels are not this machine's path")
+    layer.use("native", torch.float32)
+    assert layer.native.mins is not None
+    assert torch.equal(dequantize_int4(layer.weight()), exact)
+
+
 def test_default_model_blocks_import_bit_exactly(default_model_path) -> None:
     reader = gguf.GGUFReader(str(default_model_path))
     seen = set()

@@ -20,7 +20,9 @@ models that are gone.
 
 The file (not safetensors: that format allows no gaps between tensors, so no alignment): an 8-byte
 magic, a little-endian u64 header length, a JSON header, then each tensor's bytes at a 64-byte
-aligned offset from the first page boundary after the header. A file is read as untrusted: every
+aligned offset from the first page boundary after the header (daemon/weights/cache_files.py: the
+directory, the header, the sweep of files nothing will map again; without torch, for ``llmd rm``,
+which sweeps a removed model's file at once). A file is read as untrusted: every
 field is checked, every tensor must lie inside the file and have the shape the model's config
 implies, before anything is bound; anything else is a miss (logged), and the load converts the file
 as if there were no cache.
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from llmd.daemon.model_source import ModelSource
+from llmd.daemon.weights.cache_files import MAGIC, cache_dir, cache_path, data_start, read_header, sweep
 from llmd.kernels import quant_cpu
 from llmd.quant.common import QuantizedLinear
 from llmd.quant.int4 import Int4Linear
@@ -52,10 +55,7 @@ from llmd.quant.int8 import Int8Linear
 
 log = logging.getLogger("llmd")
 
-MAGIC = b"LLMDPW\x00\x01"  # the last byte is the file format's version
-SUFFIX = ".llmdw"
 ALIGN = 64  # a cache line: no row of the kernels' layout straddles two more than it must
-_MAX_HEADER = 64 << 20
 _DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float32": torch.float32}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -66,11 +66,6 @@ _MIN_FREE_BYTES = 1 << 30
 LAYOUT_SOURCES = ("quant", "kernels/quant_cpu.py", "kernels/int_layout.py", "kernels/cpu/repack.c",
                   "daemon/weights", "daemon/quantization.py", "daemon/loader.py", "daemon/calibration.py",
                   "daemon/calibration_text.py", "daemon/models")
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmd" / "weights"
 
 
 @functools.cache
@@ -105,10 +100,6 @@ def cache_key(source: ModelSource, scheme: str, group_size: int | None, dtype: t
         st = f.stat()
         parts.append(f"{f.name} {st.st_size} {st.st_mtime_ns} {st.st_ino}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
-
-
-def cache_path(key: str) -> Path:
-    return cache_dir() / f"{key}{SUFFIX}"
 
 
 # -- what a prepared model holds
@@ -186,11 +177,11 @@ def save(model: nn.Module, key: str, source: ModelSource, settings: str) -> Path
         log.info("weights not cached: %s has less than %d MiB free", directory, (offset + _MIN_FREE_BYTES) >> 20)
         return None
     path = cache_path(key)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # (cache_files.sweep removes a dead writer's)
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            base = _data_start(len(header))
+            base = data_start(len(header))
             for name, t in tensors:
                 f.seek(base + layout[name][2])
                 if t.numel():
@@ -199,65 +190,11 @@ def save(model: nn.Module, key: str, source: ModelSource, settings: str) -> Path
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _remove_replaced(path, str(source.path.resolve()), settings)
+    sweep(path, str(source.path.resolve()), settings)
     return path
 
 
-def _data_start(header_len: int) -> int:
-    end = len(MAGIC) + 8 + header_len
-    return end + -end % mmap.PAGESIZE
-
-
-def _remove_replaced(kept: Path, source: str, settings: str) -> None:
-    """Remove the cache files ``kept`` replaces (the same model with the same settings: an older file
-    or llmd), those of models whose file is gone, and writes a crash left behind."""
-    for f in kept.parent.iterdir():
-        if f == kept:
-            continue
-        if f.name.endswith(".tmp"):
-            pid = f.name.rsplit(".", 2)[-2]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                f.unlink(missing_ok=True)
-            continue
-        if f.suffix != SUFFIX:
-            continue
-        try:
-            header = _read_header(f)[0]
-        except (OSError, ValueError):
-            f.unlink(missing_ok=True)  # not readable as a cache file: nothing maps it
-            continue
-        if (header["source"] == source and header["settings"] == settings) or not Path(header["source"]).exists():
-            f.unlink(missing_ok=True)
-
-
 # -- reading
-
-
-def _read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The header of the cache file at ``path`` and where its data starts.
-
-    Raises:
-        ValueError: not a cache file of this format.
-    """
-    with open(path, "rb") as f:
-        start = f.read(len(MAGIC) + 8)
-        if len(start) < len(MAGIC) + 8 or start[:len(MAGIC)] != MAGIC:
-            raise ValueError("not an llmd weights cache of this version")
-        (n,) = struct.unpack("<Q", start[len(MAGIC):])
-        if n > _MAX_HEADER:
-            raise ValueError(f"a header of {n} bytes")
-        raw = f.read(n)
-    if len(raw) != n:
-        raise ValueError("the file ends inside its header")
-    try:
-        header = json.loads(raw)
-    except RecursionError:  # nested too deep for the parser
-        raise ValueError("a header nested too deep") from None
-    if not isinstance(header, dict) or not all(isinstance(header.get(k), str) for k in ("key", "source", "settings")):
-        raise ValueError("a header without its key, source or settings")
-    if not isinstance(header.get("packed"), dict) or not isinstance(header.get("tensors"), dict):
-        raise ValueError("a header without its tensors")
-    return header, _data_start(n)
 
 
 @dataclass(slots=True)
@@ -270,7 +207,7 @@ class _Mapped:
 
 def _map(path: Path, key: str) -> _Mapped:
     """Raises ValueError (any defect) or OSError."""
-    header, base = _read_header(path)
+    header, base = read_header(path)
     if header["key"] != key:
         raise ValueError("a file of another key")
     with open(path, "rb") as f:

