@@ -141,8 +141,10 @@ def in_threads(fn: Any, items: list[Any]) -> None:
 def weights_cache_home(tmp: Path) -> Path:
     """An XDG cache directory whose llmd weights cache starts empty, sharing the user's native builds
     and tokenizers (so the first start measured is the one that writes the weights cache, nothing else)."""
+    from llmd.paths import cache_home
+
     home = tmp / "cache"
-    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmd"
+    user = cache_home()
     (home / "llmd").mkdir(parents=True)
     for name in ("native", "tokenizers"):
         (user / name).mkdir(parents=True, exist_ok=True)

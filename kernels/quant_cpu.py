@@ -105,10 +105,10 @@ def unpack_q4x8(w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
     return pack_int4(q), scales, -8.0 * scales if mins is None else _ungroup_scales(mins, n)
 
 
-def symmetric_mins(scales: torch.Tensor, mins: torch.Tensor | None) -> bool:
+def symmetric_mins(scales: torch.Tensor, mins: torch.Tensor) -> bool:
     """Whether INT4 ``mins`` are each -8 times their scale (GGUF Q4_0, llmd's symmetric INT4): the
     native kernels then compute them (exactly) and hold none. ``-8.0 * scales`` is exact in fp16."""
-    return mins is None or torch.equal(mins, -8.0 * scales)
+    return torch.equal(mins, -8.0 * scales)
 
 
 def repack_q8x8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
