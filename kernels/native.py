@@ -48,6 +48,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_has_avx2": ([], c_int),
     "llmd_has_vnni": ([], c_int),
     "llmd_has_avx512": ([], c_int),
+    "llmd_rows_per_pass": ([], c_int),
     "llmd_quantize_q8": ([c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_int], None),
     "llmd_qgemm": ([c_int, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                     c_int64, c_int64, c_void_p, c_int], None),

@@ -32,14 +32,15 @@ def lib(request) -> ctypes.CDLL:
                                          or cpu_profile.has("avx_vnni"))
         # the 512-bit tiles where the profile has AVX-512 with VNNI: checked against the portable C too
         assert built.llmd_has_avx512() == all(cpu_profile.has(f) for f in ("avx512f", "avx512bw", "avx512_vnni"))
+        assert built.llmd_rows_per_pass() == (8 if built.llmd_has_avx512() else 4)  # the tiles' rows
         return built
     portable = native.load(native.build(portable=True))  # (cached with the other builds: conftest.py)
-    assert not portable.llmd_has_avx2()
+    assert not portable.llmd_has_avx2() and portable.llmd_rows_per_pass() == 4
     return portable
 
 
-# (m, n, k): m around the 4-row tile, n not a multiple of the 8-row groups, k from one block up.
-SHAPES = [(1, 1, 32), (1, 17, 576), (3, 33, 256), (5, 64, 288), (16, 7, 1536), (33, 40, 96)]
+# (m, n, k): m around the 4- and 8-row tiles, n not a multiple of the 8-row groups, k from one block up.
+SHAPES = [(1, 1, 32), (1, 17, 576), (3, 33, 256), (5, 64, 288), (9, 24, 128), (16, 7, 1536), (33, 40, 96)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)

@@ -13,6 +13,8 @@ from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
 
 from llmd.daemon.engine.engine import EngineConfig
 from llmd.daemon.engine.sampling_params import SamplingParams
+from llmd.daemon.engine.sequence import Sequence
+from llmd.kernels import quant_cpu
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +70,19 @@ def test_verified_rows_run_in_the_native_decode_step(model_dir, dtype, monkeypat
         return call(self, x, *args, **kwargs)
 
     monkeypatch.setattr(type(step), "__call__", counted)
+    import llmd.daemon.engine.engine as engine_module
+    monkeypatch.setattr(engine_module, "draft_cost", lambda rows: 0.01)  # drafts as long as allowed
+    drafts: list[int] = []  # each draft's length
+    add_drafts = Sequence.add_drafts
+    monkeypatch.setattr(Sequence, "add_drafts", lambda seq, draft: (drafts.append(len(draft)), add_drafts(seq, draft)))
     assert run_engine(engine, requests(params)) == off
     assert engine.num_accepted_tokens > 0 and max(extra_rows) > 0
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
+    # the longest drafts fill one pass of the native matmuls' rows with the sequence's own token: 8
+    # rows with AVX-512, 4 with AVX2 (the CI's second pass) or the portable C
+    rows = quant_cpu.rows_per_pass()
+    assert rows == (8 if quant_cpu.library().llmd_has_avx512() else 4)
+    assert engine.max_draft == rows - 1 == max(drafts)
 
 
 def test_a_verified_span_is_the_same_bits_as_one_token_at_a_time(model_dir) -> None:

@@ -22,7 +22,8 @@ from llmd.daemon.engine.kv_budget import cpu_kv_pool, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
 from llmd.daemon.engine.model_runner import ModelRunner, bind_decode_step, kv_block_bytes
-from llmd.daemon.engine.ngram_proposer import DraftLength, DraftLengths, accepted_prefix, draft_cost, lookup
+from llmd.daemon.engine.ngram_proposer import (DraftLength, DraftLengths, accepted_prefix, draft_cost, draft_limit,
+                                               lookup)
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -172,6 +173,8 @@ class LLMEngine:
         # models' shapes, which tests set to 0 to draft whatever it costs)
         self.drafter: DraftModel | None = None
         self.draft_pass_cost = 0.0
+        # prompt lookup's longest draft: what one pass of the model's matmuls verifies with the token
+        self.max_draft = draft_limit(model.rows_per_pass())
         if draft_model is not None:
             self._check_draft(model, draft_model)
             self._draft_key_centres = self._measure_centres(draft_model, config.cache_dtype(draft_model.dtype))
@@ -332,7 +335,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
         if self.config.speculative != "off" and _speculates(params):
-            self.requests[request_id].drafts = DraftLength() if self.drafter is not None else DraftLengths()
+            self.requests[request_id].drafts = (DraftLength() if self.drafter is not None
+                                                else DraftLengths(self.max_draft))
         self.scheduler.add(seq)
         return seq
 

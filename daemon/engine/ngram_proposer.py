@@ -18,8 +18,12 @@ import numpy as np
 
 MIN_NGRAM = 1
 MAX_NGRAM = 4
-# NOTE: 3 drafts make a verified row 4 tokens: the CPU's quantised matmuls take 4 activation rows per
-# pass over the weights (kernels/cpu/quant_gemm.c, MT), so a 5th token costs a second pass.
+# NOTE: k drafts make a sequence k + 1 rows of the step. The CPU's quantised matmuls take 4 activation
+# rows per pass over the weights with AVX2 and 8 with AVX-512 (kernels/cpu/quant_gemm.c), and a row
+# past a pass costs a second one (~3x a row's arithmetic), so a sequence drafts at most a pass less
+# its own token (draft_limit). MAX_DRAFT is a 4-row pass's, the default. Longer drafts pay only
+# where they fit a pass: on `edit` at one stream, drafts of up to 7 against 3 were ~8% faster with
+# 8-row passes and no faster with 4-row ones (replayed and measured: README, Speculative decoding).
 MAX_DRAFT = 3
 # A step costs a fixed part F (reading the weights, the step's own overhead) and a part r per row (its
 # attention, its share of the matmuls' and the LM head's arithmetic). An accepted draft saves what
@@ -39,6 +43,14 @@ def draft_cost(num_seqs: int) -> float:
 
 
 DRAFT_COST = draft_cost(1)
+
+
+def draft_limit(rows_per_pass: int) -> int:
+    """The most tokens a sequence drafts when the model takes ``rows_per_pass`` rows per pass over
+    its weights (LlamaForCausalLM.rows_per_pass): one pass, less the sequence's own token."""
+    if rows_per_pass < 2:
+        raise ValueError(f"rows_per_pass must be at least 2, got {rows_per_pass}")
+    return min(rows_per_pass, 8) - 1
 SEARCH_WINDOW = 8192  # tokens looked back through: bounds a step's work on a long context
 
 

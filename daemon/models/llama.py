@@ -256,6 +256,15 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden.to(weight.dtype), weight).float()
 
+    def rows_per_pass(self) -> int:
+        """Rows of a step that the projections take in one pass over their weights: a sequence's
+        token and up to this many less one drafts are verified for about the price of their
+        arithmetic alone (speculative decoding). The native CPU matmuls' own count (8 with AVX-512,
+        4 with AVX2); 4 elsewhere, which the GPU path has not been measured beyond."""
+        on_native = self.model.embed_tokens.weight.device.type == "cpu" and any(
+            getattr(m, "cpu_path", None) == "native" for layer in self.model.layers for m in layer.modules())
+        return (quant_cpu.rows_per_pass() or 4) if on_native else 4
+
     def kernels(self) -> dict[str, str]:
         """What computes each part, as chosen at load (``llmd status``, ``llmd bench``): the
         projections' matmuls, decode steps, attention, the LM head, and on the CPU the profile."""
