@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmd.daemon.engine.ngram_proposer import (DRAFT_COST, MAX_DRAFT, DraftLength, DraftLengths, accepted_prefix,
-                                               draft_cost, lookup)
+                                               draft_cost, draft_limit, lookup)
 
 
 def propose(tokens: list[int], k: int) -> list[int]:
@@ -128,3 +128,10 @@ def test_a_draft_costs_more_in_a_fuller_step() -> None:
     d = DraftLength()
     d.p = 0.85  # 0.85, 0.72, 0.61 > cost alone (0.2); only 0.85 > cost in a step of 16 (0.8)
     assert d.next(draft_cost(1)) == MAX_DRAFT == 3 and d.next(draft_cost(16)) == 1
+
+
+def test_a_sequence_alone_drafts_up_to_a_pass_of_rows() -> None:
+    assert [draft_limit(rows) for rows in (2, 4, 8, 16)] == [MAX_DRAFT, 3, 7, 7]  # at most 8 rows
+    assert [draft_limit(8, seqs) for seqs in (1, 2, 3, 16)] == [7, 3, 3, 3]  # beside others, MAX_DRAFT
+    with pytest.raises(ValueError):
+        draft_limit(1)

@@ -13,7 +13,6 @@ from tiny_models import make_engine, make_hf_model, run_engine, save_hf_model
 
 from llmd.daemon.engine.engine import EngineConfig
 from llmd.daemon.engine.sampling_params import SamplingParams
-from llmd.daemon.engine.sequence import Sequence
 from llmd.kernels import quant_cpu
 
 
@@ -52,7 +51,9 @@ def test_greedy_tokens_are_the_same_with_speculation(model_dir, config: dict) ->
 def test_verified_rows_run_in_the_native_decode_step(model_dir, dtype, monkeypatch) -> None:
     """The served CPU path (INT4, the cpu attention backend, the fused native step): a step of decode
     and verified rows is one call of the native step, each verified token a row of its own, and the
-    tokens are the same as without speculation."""
+    tokens are the same as without speculation; a sequence alone drafts up to a pass of the native
+    matmuls' rows, beside others up to 3."""
+    import llmd.daemon.engine.engine as engine_module
     from llmd.daemon.attention import CpuAttentionBackend
     from llmd.daemon.quantization import QuantConfig
 
@@ -70,19 +71,23 @@ def test_verified_rows_run_in_the_native_decode_step(model_dir, dtype, monkeypat
         return call(self, x, *args, **kwargs)
 
     monkeypatch.setattr(type(step), "__call__", counted)
-    import llmd.daemon.engine.engine as engine_module
     monkeypatch.setattr(engine_module, "draft_cost", lambda rows: 0.01)  # drafts as long as allowed
-    drafts: list[int] = []  # each draft's length
-    add_drafts = Sequence.add_drafts
-    monkeypatch.setattr(Sequence, "add_drafts", lambda seq, draft: (drafts.append(len(draft)), add_drafts(seq, draft)))
+    asked: list[tuple[int, int]] = []  # each lookup's most tokens, and how many sequences its step runs
+    lookup = engine_module.lookup
+    monkeypatch.setattr(engine_module, "lookup", lambda tokens, k: (
+        asked.append((k, len(engine.scheduler.running))), lookup(tokens, k))[1])
     assert run_engine(engine, requests(params)) == off
     assert engine.num_accepted_tokens > 0 and max(extra_rows) > 0
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
-    # the longest drafts fill one pass of the native matmuls' rows with the sequence's own token: 8
-    # rows with AVX-512, 4 with AVX2 (the CI's second pass) or the portable C
+    # a sequence alone drafts up to one pass of the native matmuls' rows less its own token: 8 rows
+    # with AVX-512, 4 with AVX2 (the CI's second pass) or the portable C; beside others up to 3
     rows = quant_cpu.rows_per_pass()
     assert rows == (8 if quant_cpu.library().llmd_has_avx512() else 4)
-    assert engine.max_draft == rows - 1 == max(drafts)
+    assert engine.max_draft == rows - 1
+    assert max(k for k, running in asked if running > 1) == 3
+    asked.clear()
+    assert run_engine(engine, requests(params, 1)) == {k: v for k, v in off.items() if k == "r0"}
+    assert max(k for k, _ in asked) == rows - 1
 
 
 def test_a_verified_span_is_the_same_bits_as_one_token_at_a_time(model_dir) -> None:

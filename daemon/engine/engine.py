@@ -173,8 +173,10 @@ class LLMEngine:
         # models' shapes, which tests set to 0 to draft whatever it costs)
         self.drafter: DraftModel | None = None
         self.draft_pass_cost = 0.0
-        # prompt lookup's longest draft: what one pass of the model's matmuls verifies with the token
-        self.max_draft = draft_limit(model.rows_per_pass())
+        # prompt lookup's longest draft (a sequence alone): what one pass of the model's matmuls
+        # verifies beside its token
+        self.rows_per_pass = model.rows_per_pass()
+        self.max_draft = draft_limit(self.rows_per_pass)
         if draft_model is not None:
             self._check_draft(model, draft_model)
             self._draft_key_centres = self._measure_centres(draft_model, config.cache_dtype(draft_model.dtype))
@@ -407,6 +409,7 @@ class LLMEngine:
         # the more rows a step has, the more a draft token costs next to a sequence's own one; a draft
         # model adds one of its passes per token
         cost = draft_cost(len(self.scheduler.running)) + self.draft_pass_cost
+        limit = draft_limit(self.rows_per_pass, len(self.scheduler.running))  # prompt lookup's, this step
         wants: list[tuple[Sequence, int]] = []  # the draft model's: sequences and how many tokens
         found: list[tuple[Sequence, list[int]]] = []  # prompt lookup's: sequences and their drafts
         for seq in self.scheduler.running:
@@ -422,7 +425,7 @@ class LLMEngine:
                 # prompt lookup: the draft first, then how much of it to verify, by how long a suffix found it
                 if room <= 0 or not req.drafts.wanted(cost):
                     continue
-                draft, match = lookup(seq.token_ids, min(room, req.drafts.max_draft))
+                draft, match = lookup(seq.token_ids, min(room, limit, req.drafts.max_draft))
                 if (k := req.drafts.next(match, cost) if draft else 0) > 0:
                     found.append((seq, draft[:k]))
             elif (k := min(req.drafts.next(cost), room)) > 0:

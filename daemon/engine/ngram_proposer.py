@@ -20,10 +20,11 @@ MIN_NGRAM = 1
 MAX_NGRAM = 4
 # NOTE: k drafts make a sequence k + 1 rows of the step. The CPU's quantised matmuls take 4 activation
 # rows per pass over the weights with AVX2 and 8 with AVX-512 (kernels/cpu/quant_gemm.c), and a row
-# past a pass costs a second one (~3x a row's arithmetic), so a sequence drafts at most a pass less
-# its own token (draft_limit). MAX_DRAFT is a 4-row pass's, the default. Longer drafts pay only
-# where they fit a pass: on `edit` at one stream, drafts of up to 7 against 3 were ~8% faster with
-# 8-row passes and no faster with 4-row ones (replayed and measured: README, Speculative decoding).
+# past a pass costs a second one (~3x a row's arithmetic), so a sequence alone drafts at most a pass
+# less its own token (draft_limit). MAX_DRAFT is a 4-row pass's, and the limit beside other sequences.
+# Longer drafts pay only where they fit a pass: on `edit` at one stream, drafts of up to 7 against 3
+# were ~8% faster with 8-row passes and no faster with 4-row ones (replayed and measured: README,
+# Speculative decoding).
 MAX_DRAFT = 3
 # A step costs a fixed part F (reading the weights, the step's own overhead) and a part r per row (its
 # attention, its share of the matmuls' and the LM head's arithmetic). An accepted draft saves what
@@ -45,12 +46,14 @@ def draft_cost(num_seqs: int) -> float:
 DRAFT_COST = draft_cost(1)
 
 
-def draft_limit(rows_per_pass: int) -> int:
-    """The most tokens a sequence drafts when the model takes ``rows_per_pass`` rows per pass over
-    its weights (LlamaForCausalLM.rows_per_pass): one pass, less the sequence's own token."""
+def draft_limit(rows_per_pass: int, num_seqs: int = 1) -> int:
+    """The most tokens a sequence drafts in a step of ``num_seqs`` sequences when the model takes
+    ``rows_per_pass`` rows per pass over its weights (LlamaForCausalLM.rows_per_pass): its share of
+    one pass less its own token, and never fewer than MAX_DRAFT (several sequences fill a pass
+    anyway, and drafts of up to 3 were measured to pay there)."""
     if rows_per_pass < 2:
         raise ValueError(f"rows_per_pass must be at least 2, got {rows_per_pass}")
-    return min(rows_per_pass, 8) - 1
+    return max(MAX_DRAFT, min(rows_per_pass, 8) // max(num_seqs, 1) - 1)
 SEARCH_WINDOW = 8192  # tokens looked back through: bounds a step's work on a long context
 
 

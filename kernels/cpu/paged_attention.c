@@ -118,7 +118,8 @@ static inline __attribute__((always_inline)) int64_t scores_tile(const float *co
 #ifdef LLMD_ATTN_ZMM
 /* _mm256_hadd_ps within each 128-bit lane of a 512-bit vector: [a0+a1, a2+a3, b0+b1, b2+b3] per lane */
 static inline __m512 hadd512(__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* scores_tile eight keys at a time, two per 512-bit vector: key 2p's 8-lane chunk in the low half,
