@@ -22,9 +22,9 @@ MAX_NGRAM = 4
 # rows per pass over the weights with AVX2 and 8 with AVX-512 (kernels/cpu/quant_gemm.c), and a row
 # past a pass costs a second one (~3x a row's arithmetic), so a sequence alone drafts at most a pass
 # less its own token (draft_limit). MAX_DRAFT is a 4-row pass's, and the limit beside other sequences.
-# Longer drafts pay only where they fit a pass: on `edit` at one stream, drafts of up to 7 against 3
-# were ~8% faster with 8-row passes and no faster with 4-row ones (replayed and measured: README,
-# Speculative decoding).
+# On `edit` at one stream, drafts of up to 7 against 3 were ~8% faster with the AVX-512 build's rows
+# (even with 4-row passes) and ~2% with AVX2's, whose rows cost ~1.5x as much (replayed and measured:
+# README, Speculative decoding).
 MAX_DRAFT = 3
 # A step costs a fixed part F (reading the weights, the step's own overhead) and a part r per row (its
 # attention, its share of the matmuls' and the LM head's arithmetic). An accepted draft saves what
@@ -54,6 +54,8 @@ def draft_limit(rows_per_pass: int, num_seqs: int = 1) -> int:
     if rows_per_pass < 2:
         raise ValueError(f"rows_per_pass must be at least 2, got {rows_per_pass}")
     return max(MAX_DRAFT, min(rows_per_pass, 8) // max(num_seqs, 1) - 1)
+
+
 SEARCH_WINDOW = 8192  # tokens looked back through: bounds a step's work on a long context
 
 
