@@ -135,3 +135,11 @@ def test_a_sequence_alone_drafts_up_to_a_pass_of_rows() -> None:
     assert [draft_limit(8, seqs) for seqs in (1, 2, 3, 16)] == [7, 3, 3, 3]  # beside others, MAX_DRAFT
     with pytest.raises(ValueError):
         draft_limit(1)
+
+
+def test_only_the_longest_matches_draft_past_max_draft() -> None:
+    lengths = DraftLengths(max_draft=7, cost=0.01)  # every length worth verifying
+    assert lengths.wanted()
+    assert lengths.next(4) == 7  # the output copying its prompt
+    assert [lengths.next(n) for n in (1, 2, 3)] == [MAX_DRAFT] * 3
+    assert lengths.next(0) == 0  # nothing found
