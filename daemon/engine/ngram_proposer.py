@@ -21,10 +21,11 @@ MAX_NGRAM = 4
 # NOTE: k drafts make a sequence k + 1 rows of the step. The CPU's quantised matmuls take 4 activation
 # rows per pass over the weights with AVX2 and 8 with AVX-512 (kernels/cpu/quant_gemm.c), and a row
 # past a pass costs a second one (~3x a row's arithmetic), so a sequence alone drafts at most a pass
-# less its own token (draft_limit). MAX_DRAFT is a 4-row pass's, and the limit beside other sequences.
-# On `edit` at one stream, drafts of up to 7 against 3 were ~8% faster with the AVX-512 build's rows
-# (even with 4-row passes) and ~2% with AVX2's, whose rows cost ~1.5x as much (replayed and measured:
-# README, Speculative decoding).
+# less its own token (draft_limit), and only after a 4-token match (DraftLengths). MAX_DRAFT is a 4-row
+# pass's, and the limit beside other sequences. On `edit` at one stream, drafts of up to 7 after
+# 4-token matches against 3 were ~8% faster with the AVX-512 build's rows even with 4-row passes, ~13%
+# with 8-row ones, and ~2% with AVX2's rows, which cost ~1.5x as much (alternated in process: README,
+# Speculative decoding).
 MAX_DRAFT = 3
 # A step costs a fixed part F (reading the weights, the step's own overhead) and a part r per row (its
 # attention, its share of the matmuls' and the LM head's arithmetic). An accepted draft saves what
