@@ -12,11 +12,12 @@ Both daemons stay up; the idle one sleeps. Each round runs every case on both, i
 first alternates), with the same prompts: `edit` (chats asking for ~--edit-prompt-tokens of code
 rewritten with one name changed: the output repeats the prompt; it ends at end-of-text) and `streams`
 (ordinary random prompts, `--output-tokens` ignoring end-of-text). One stream runs --requests
-requests one after another (one alone is one prompt's luck); 16 streams run 16 at once. Reported per
-case: output tok/s off and on (the median of the rounds), the ratio on / off of each round (the
-median and the range: the two runs of a round are minutes apart, so their ratio is what drifts
-least), and over all rounds on the speculating daemon the share of draft tokens accepted and the
-tokens per verification. The ratio is the figure to quote.
+requests one after another (one alone is one prompt's luck), each on both daemons in turn (which
+goes first alternating), so the two sides of a comparison run seconds apart: these machines' speed
+drifts by tens of per cent within minutes. 16 streams run 16 at once, on one daemon then the other.
+Reported per case: output tok/s off and on (the median of the rounds), the ratio on / off of each
+round (the median and the range: what drifts least), and over all rounds on the speculating daemon
+the share of draft tokens accepted and the tokens per verification. The ratio is the figure to quote.
 
 ``--worst-case`` measures instead what speculation costs when no draft is ever right: in this process
 (llmd.LLM), the engine's proposer replaced by one that always guesses token 0, against speculation
@@ -60,8 +61,23 @@ def run_case(connection: dict[str, Any], configs: list[BenchConfig]) -> dict[str
     drafted = sum(r.draft_tokens for r in reports)
     accepted = sum(r.accepted_draft_tokens for r in reports)
     verifications = sum(r.verifications for r in reports)
-    return {"tok_s": tokens / seconds, "tokens": tokens, "drafted": drafted, "accepted": accepted,
-            "verifications": verifications}
+    return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "drafted": drafted,
+            "accepted": accepted, "verifications": verifications}
+
+
+def run_interleaved(connections: dict[str, dict[str, Any]], modes: tuple[str, ...], configs: list[BenchConfig],
+                    first: int) -> dict[str, dict[str, float]]:
+    """Each of ``configs`` on every daemon in turn (which goes first alternating, mode ``first``
+    first), so the two sides of a comparison run seconds apart, not minutes; each daemon's totals."""
+    parts: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for i, config in enumerate(configs):
+        for mode in modes if (i + first) % 2 == 0 else modes[::-1]:
+            parts[mode].append(run_case(connections[mode], [config]))
+    totals = {}
+    for mode, rs in parts.items():
+        sums = {k: sum(r[k] for r in rs) for k in ("tokens", "seconds", "drafted", "accepted", "verifications")}
+        totals[mode] = {"tok_s": sums["tokens"] / sums["seconds"], **sums}
+    return totals
 
 
 def worst_case(rounds: int, output_tokens: int, streams: list[int]) -> None:
@@ -201,8 +217,12 @@ def main() -> None:
                     configs = [BenchConfig(workload=workload, num_streams=n, prompt_tokens=prompt,
                                            output_tokens=args.output_tokens, seed=s) for s in seeds]
                     by_mode = results.setdefault((workload, n), {m: [] for m in modes})
-                    for mode in (modes if rnd % 2 == 0 else modes[::-1]):
-                        by_mode[mode].append(run_case(connections[mode], configs))
+                    if len(configs) > 1:  # one stream: request by request, the daemons in turn
+                        for mode, total in run_interleaved(connections, modes, configs, rnd).items():
+                            by_mode[mode].append(total)
+                    else:
+                        for mode in (modes if rnd % 2 == 0 else modes[::-1]):
+                            by_mode[mode].append(run_case(connections[mode], configs))
                     print(f"  round {rnd + 1} {workload} x{n}: " + ", ".join(
                         f"{m} {by_mode[m][-1]['tok_s']:.1f} tok/s" for m in modes), file=sys.stderr)
     finally:
