@@ -173,10 +173,8 @@ class LLMEngine:
         # models' shapes, which tests set to 0 to draft whatever it costs)
         self.drafter: DraftModel | None = None
         self.draft_pass_cost = 0.0
-        # prompt lookup's longest draft (a sequence alone): what one pass of the model's matmuls
-        # verifies beside its token
+        # rows the model's matmuls take per pass over their weights: how long prompt lookup drafts
         self.rows_per_pass = model.rows_per_pass()
-        self.max_draft = draft_limit(self.rows_per_pass)
         if draft_model is not None:
             self._check_draft(model, draft_model)
             self._draft_key_centres = self._measure_centres(draft_model, config.cache_dtype(draft_model.dtype))
@@ -201,6 +199,12 @@ class LLMEngine:
         # request id, the grammars of the requests that carry a response format
         self.grammar_compiler = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self._grammars: dict[str, Grammar] = {}
+
+    @property
+    def max_draft(self) -> int:
+        """Prompt lookup's longest draft, for a sequence alone: what one pass of the model's matmuls
+        verifies beside its token."""
+        return draft_limit(self.rows_per_pass)
 
     @property
     def is_loaded(self) -> bool:
@@ -425,7 +429,7 @@ class LLMEngine:
                 # prompt lookup: the draft first, then how much of it to verify, by how long a suffix found it
                 if room <= 0 or not req.drafts.wanted(cost):
                     continue
-                draft, match = lookup(seq.token_ids, min(room, limit, req.drafts.max_draft))
+                draft, match = lookup(seq.token_ids, min(room, limit))  # limit <= req.drafts.max_draft
                 if (k := req.drafts.next(match, cost) if draft else 0) > 0:
                     found.append((seq, draft[:k]))
             elif (k := min(req.drafts.next(cost), room)) > 0:
