@@ -27,21 +27,24 @@ MAX_NGRAM = 4
 # with 8-row ones, and ~2% with AVX2's rows, which cost ~1.5x as much (alternated in process: README,
 # Speculative decoding).
 MAX_DRAFT = 3
-# A step costs a fixed part F (reading the weights, the step's own overhead) and a part r per row (its
-# attention, its share of the matmuls' and the LM head's arithmetic). An accepted draft saves what
-# a token costs in the step as it is, (F + r B) / B for B sequences; verifying one costs r. ROW_COST
-# is r / F, measured on the default model on the CPU (2 cores, a 600-token context): a 4-token
-# verified row alone costs ~1.5x a 1-token step, so r / (F + r) ~0.2.
-ROW_COST = 0.25
+# A step costs a fixed part F (the weights' unpacking, the step's own overhead), a part A per sequence
+# (reading its KV cache: all the rows of a verified span read it once, kernels/cpu/paged_attention.c)
+# and a part R per row (its share of the matmuls' and the LM head's arithmetic, its attention's). An
+# accepted draft saves what a token costs in the step as it is, (F + B (A + R)) / B for B sequences;
+# verifying one costs R. Measured on the default model on the CPU (2 cores, contexts of ~500 tokens,
+# alternated in process): a 2-row span alone took 1.2x a 1-row step, and 16 sequences of 2 rows 1.5x
+# 16 of 1 (the KV reads are half of such a step, and a span shares them), so R / F ~0.3, A / F ~0.25.
+ROW_COST = 0.3
+SEQ_COST = 0.25
 
 
 def draft_cost(num_seqs: int) -> float:
     """What verifying a draft token costs in a step of ``num_seqs`` sequences, in the tokens the
-    step makes: ``r B / (F + r B)``, 0.2 alone, 0.8 at 16 (measured at 16 sequences of 320 tokens:
-    ~0.5 for each one's first draft, ~1 for the second and third, as the matmuls' row tiles and
-    the LM head fill up)."""
-    rows = max(num_seqs, 1) * ROW_COST
-    return rows / (1 + rows)
+    step makes: ``R B / (F + B (A + R))``, ~0.2 alone, ~0.5 at 16 and at most R / (A + R) (the KV
+    reads a verified span shares keep a draft dearer than nothing but cheaper than a token; a cost
+    of 0.8 at 16, from rows alone, kept drafts there to one token)."""
+    b = max(num_seqs, 1)
+    return ROW_COST * b / (1 + b * (SEQ_COST + ROW_COST))
 
 
 DRAFT_COST = draft_cost(1)
@@ -109,9 +112,9 @@ class DraftLength:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.max_draft, self.cost, self.alpha, self.probe_every = max_draft, cost, alpha, probe_every
-        # A new sequence tries a full draft alone (0.9^3 > 0.2), two tokens in a step of 16 (0.9^2 >
-        # 0.8); five misses in a row bring it to nothing (drafts that always fail cost ~9 draft
-        # tokens, then a probe every probe_every steps)
+        # A new sequence tries a full draft of 3 alone or in a step of 16 (0.9^3 > 0.5); five misses
+        # in a row bring it to nothing alone, two at 16 (drafts that always fail cost ~9 draft tokens
+        # alone, then a probe every probe_every steps)
         self.p = 0.9
         self._idle_steps = 0
 
