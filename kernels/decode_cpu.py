@@ -2,7 +2,8 @@
 batch of one-token rows, over the paged KV cache, from embeddings to the final norm.
 
 The model builds a :class:`DecodeStep` from plain tensors once it is loaded (``LlamaForCausalLM.
-prepare_decode``) and hands it each pure decode step; prompt chunks keep the per-layer torch path.
+prepare_decode``) and hands it every step's decode rows, and the prompt tokens of short contexts
+(``llama.STEP_PROMPT_POSITIONS``).
 Everything the C reads lives in tensors this object holds: the weights (those of the quantised
 layers, shared, not copied), the norms in fp32, the KV cache pointers (:meth:`bind_cache`, again
 after a reload) and a workspace that grows with the batch and is then reused.
@@ -80,7 +81,8 @@ class DecodeStep:
         ValueError: shapes the native step does not take (the caller keeps the torch path).
     """
 
-    takes_mixed_steps = True  # a step's decode rows run here, its prompt chunks layer by layer
+    takes_mixed_steps = True  # a step's decode rows run here whatever shares the step
+    takes_prompt_chunks = True  # prompt tokens too, each a row like a verified span's draft
 
     def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, eps: float, scale: float, threads: int,

@@ -113,6 +113,7 @@ class DecodeStep:
     """
 
     takes_mixed_steps = False  # a step with prompt chunks goes layer by layer (the extend kernel)
+    takes_prompt_chunks = False
 
     def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, eps: float) -> None:
         self.layers, self.final_norm, self.eps = layers, final_norm, eps

@@ -147,3 +147,35 @@ def test_a_pool_full_of_nan_changes_nothing(tiny_dir: Path, monkeypatch: pytest.
         outputs.append(run_engine(engine, requests))
         assert engine.scheduler.num_preemptions > 0 and engine.stats().prefix_cache_hit_rate > 0
     assert outputs[1] == outputs[0]
+
+
+@pytest.mark.parametrize("limit", [0, 21, 10**6])
+def test_prompt_tokens_take_the_native_step_by_their_position(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              limit: int) -> None:
+    """Prompt tokens at positions below llama.STEP_PROMPT_POSITIONS run as rows of the native decode
+    step, the rest layer by layer after them, whatever chunk they are in: with the line at 0 (every
+    prompt token layer by layer, as before), inside chunks (13-token chunks straddle position 21) and
+    past every prompt, chunked prompts, prefix hits and preemption give the same greedy tokens as
+    with every prompt token in the step (fp32: the two paths differ by rounding only)."""
+    from llmd.daemon.attention import CpuAttentionBackend
+    from llmd.daemon.models import llama
+    from llmd.daemon.quantization import QuantConfig
+
+    requests = make_requests(10)
+    config = dict(num_blocks=40, block_size=4, max_batched_tokens=13)
+    want = run_engine(make_engine(tiny_dir, attention=CpuAttentionBackend(), quant=QuantConfig("int4"), **config),
+                      requests)
+    monkeypatch.setattr(llama, "STEP_PROMPT_POSITIONS", limit)
+    engine = make_engine(tiny_dir, attention=CpuAttentionBackend(), quant=QuantConfig("int4"), **config)
+    assert engine.model.decode_step is not None
+    layered: list[int] = []  # the positions run layer by layer
+    real = engine.model._forward_layers
+
+    def counted(x, positions, *args):
+        layered.extend(positions.tolist())
+        return real(x, positions, *args)
+
+    monkeypatch.setattr(engine.model, "_forward_layers", counted)
+    assert run_engine(engine, requests) == want
+    assert engine.scheduler.num_preemptions > 0 and engine.stats().prefix_cache_hit_rate > 0
+    assert layered and min(layered) >= limit if limit < 10**6 else not layered

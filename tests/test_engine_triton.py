@@ -60,7 +60,7 @@ class CountedStep:
 
     def __init__(self, step) -> None:
         self.step, self.calls = step, 0
-        self.takes_mixed_steps = step.takes_mixed_steps
+        self.takes_mixed_steps, self.takes_prompt_chunks = step.takes_mixed_steps, step.takes_prompt_chunks
         self.bind_cache, self.bound_to, self.embed = step.bind_cache, step.bound_to, step.embed
 
     def __call__(self, *args):

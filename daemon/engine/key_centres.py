@@ -72,13 +72,14 @@ def measure_key_centres(model: LlamaForCausalLM, token_ids: list[int]) -> list[t
                              block_tables=torch.arange(num_blocks, device=device)[None, :])
     # NOTE: the torch reference's attention and layer ops: any fixed vector is exact (a few ulps of
     # the keys are not the point), and they cost least everywhere, the Triton interpreter included
-    recorder, backend, ops = _KeyRecorder(), model.attn_backend, model.layer_ops
+    # (layer by layer: a fused decode step, which takes prompt chunks too, is set aside meanwhile)
+    recorder, backend, ops, step = _KeyRecorder(), model.attn_backend, model.layer_ops, model.decode_step
     centres = [layer.self_attn.key_centre for layer in model.model.layers]  # the raw keys are measured
-    model.attn_backend, model.layer_ops = recorder, TorchLayerOps()
+    model.attn_backend, model.layer_ops, model.decode_step = recorder, TorchLayerOps(), None
     model.centre_keys(None)
     try:
         model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), caches, meta)
     finally:
-        model.attn_backend, model.layer_ops = backend, ops
+        model.attn_backend, model.layer_ops, model.decode_step = backend, ops, step
         model.centre_keys(None if centres[0] is None else centres)
     return [(high + low) / 2 for high, low in recorder.ranges]
