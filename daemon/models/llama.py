@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Run a flat batch of ``T`` tokens; returns final hidden states ``[T, hidden_size]`` (in the
-        model dtype; fp32 where the native decode step, once prepared, runs the one-token rows)."""
+        model dtype; fp32 where the native decode step, once prepared, runs the rows)."""
         step = self.decode_step
         if step is not None and (1 in meta.query_lens or step.takes_prompt_chunks):
             if not step.bound_to(kv_caches):
@@ -246,12 +246,15 @@ class LlamaForCausalLM(nn.Module):
         limit = STEP_PROMPT_POSITIONS if step.takes_prompt_chunks else 0
         lens = torch.tensor(meta.query_lens)
         seq_of_row = torch.repeat_interleave(torch.arange(len(meta.query_lens)), lens)
-        in_step = (lens[seq_of_row] == 1) | (positions.cpu() < limit)
+        decodes = lens[seq_of_row] == 1
+        in_step = decodes | (positions.cpu() < limit)
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
         rows = torch.nonzero(in_step).flatten()
         if len(rows):
+            # a prompt token's context ends with it; a decode row's length is the step's own
+            lengths = torch.where(decodes, meta.seq_lens_tensor.cpu()[seq_of_row], positions.cpu() + 1)
             out[rows] = step(x[rows], positions[rows], meta.slot_mapping[rows], meta.block_tables[seq_of_row[rows]],
-                             (positions[rows] + 1).to(torch.int32))
+                             lengths[rows].to(torch.int32))
         rest = torch.nonzero(~in_step).flatten()
         if len(rest):
             # per sequence, its layer-by-layer tokens are the last of its chunk: a chunk of its own
