@@ -247,21 +247,19 @@ class LlamaForCausalLM(nn.Module):
         lens = torch.tensor(meta.query_lens)
         seq_of_row = torch.repeat_interleave(torch.arange(len(meta.query_lens)), lens)
         decodes = lens[seq_of_row] == 1
-        in_step = decodes | (positions.cpu() < limit)
+        in_step = decodes | (positions < limit)  # (the native step's tensors are on the CPU)
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
         rows = torch.nonzero(in_step).flatten()
         if len(rows):
             # a prompt token's context ends with it; a decode row's length is the step's own
-            lengths = torch.where(decodes, meta.seq_lens_tensor.cpu()[seq_of_row], positions.cpu() + 1)
+            lengths = torch.where(decodes, meta.seq_lens_tensor[seq_of_row], positions + 1)
             out[rows] = step(x[rows], positions[rows], meta.slot_mapping[rows], meta.block_tables[seq_of_row[rows]],
                              lengths[rows].to(torch.int32))
         rest = torch.nonzero(~in_step).flatten()
         if len(rest):
             # per sequence, its layer-by-layer tokens are the last of its chunk: a chunk of its own
-            seqs = torch.unique_consecutive(seq_of_row[rest]).tolist()
-            counts = torch.bincount(seq_of_row[rest], minlength=len(meta.query_lens))
-            rest_meta = AttentionMetadata(slot_mapping=meta.slot_mapping[rest],
-                                          query_lens=[int(counts[i]) for i in seqs],
+            seqs, counts = (t.tolist() for t in torch.unique_consecutive(seq_of_row[rest], return_counts=True))
+            rest_meta = AttentionMetadata(slot_mapping=meta.slot_mapping[rest], query_lens=counts,
                                           seq_lens=[meta.seq_lens[i] for i in seqs],
                                           block_tables=meta.block_tables[seqs])
             out[rest] = self._forward_layers(x[rest], positions[rest], kv_caches, rest_meta).float()
