@@ -79,10 +79,10 @@ def test_verified_rows_run_in_the_native_decode_step(model_dir, dtype, monkeypat
     assert run_engine(engine, requests(params)) == off
     assert engine.num_accepted_tokens > 0 and max(extra_rows) > 0
     assert engine.kv.pool.num_free_blocks == engine.num_blocks
-    # a sequence alone drafts up to one pass of the native matmuls' rows less its own token: 8 rows
-    # with AVX-512, 4 with AVX2 (the CI's second pass) or the portable C; beside others up to 3
+    # a sequence alone drafts up to one pass of the native matmuls' rows less its own token (8 rows
+    # in every build); beside others up to 3
     rows = quant_cpu.rows_per_pass()
-    assert rows == (8 if quant_cpu.library().llmd_has_avx512() else 4)
+    assert rows == 8
     assert engine.max_draft == rows - 1
     assert max(k for k, running in asked if running > 1) == 3
     asked.clear()

@@ -18,14 +18,14 @@ import numpy as np
 
 MIN_NGRAM = 1
 MAX_NGRAM = 4
-# NOTE: k drafts make a sequence k + 1 rows of the step. The CPU's quantised matmuls take 4 activation
-# rows per pass over the weights with AVX2 and 8 with AVX-512 (kernels/cpu/quant_gemm.c), and a row
-# past a pass costs a second one (~3x a row's arithmetic), so a sequence alone drafts at most a pass
-# less its own token (draft_limit), and only after a 4-token match (DraftLengths). MAX_DRAFT is a 4-row
-# pass's, and the limit beside other sequences. On `edit` at one stream, drafts of up to 7 after
-# 4-token matches against 3 were ~8% faster with the AVX-512 build's rows even with 4-row passes, ~13%
-# with 8-row ones, and ~2% with AVX2's rows, which cost ~1.5x as much (alternated in process: README,
-# Speculative decoding).
+# NOTE: k drafts make a sequence k + 1 rows of the step. The CPU's quantised matmuls take 8 activation
+# rows per pass over the weights (kernels/cpu/quant_gemm.c), and a row past a pass costs a second one
+# (~3x a row's arithmetic), so a sequence alone drafts at most a pass less its own token (draft_limit),
+# and only after a 4-token match (DraftLengths). MAX_DRAFT is the limit beside other sequences. On
+# `edit` at one stream, drafts of up to 7 after 4-token matches against 3 were ~8% faster with the
+# AVX-512 build's rows even with 4-row passes, ~13% with 8-row ones (alternated in process: README,
+# Speculative decoding). AVX2's rows cost more: a span of 8 rows alone cost 2.7x one row's step with
+# 8-row passes, 3.6x with the 4-row ones it had before (at which 7 drafts did not pay).
 MAX_DRAFT = 3
 # A step costs a fixed part F (the weights' unpacking, the step's own overhead), a part A per sequence
 # (reading its KV cache: all the rows of a verified span read it once, kernels/cpu/paged_attention.c)

@@ -276,8 +276,8 @@ class LlamaForCausalLM(nn.Module):
     def rows_per_pass(self) -> int:
         """Rows of a step that the projections take in one pass over their weights: a sequence's
         token and up to this many less one drafts are verified for about the price of their
-        arithmetic alone (speculative decoding). The native CPU matmuls' own count (8 with AVX-512,
-        4 with AVX2); 4 elsewhere, which the GPU path has not been measured beyond."""
+        arithmetic alone (speculative decoding). The native CPU matmuls' own count (8 in every
+        build); 4 elsewhere, which the GPU path has not been measured beyond."""
         on_native = self.model.embed_tokens.weight.device.type == "cpu" and any(
             getattr(m, "cpu_path", None) == "native" for layer in self.model.layers for m in layer.modules())
         return (quant_cpu.rows_per_pass() or 4) if on_native else 4

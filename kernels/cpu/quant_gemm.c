@@ -61,11 +61,12 @@
 #endif
 
 #define QK LLMD_QK
-#define MT 4 /* activation rows per register tile (AVX2: 16 vector registers) */
-/* The 512-bit tiles' rows per register tile: AVX-512's 32 registers hold 8 rows' sums and
- * accumulators beside the weights, so a step verifying up to 7 drafts (8 rows of one sequence)
- * unpacks each weight once, not twice: with 4, a 5th row cost ~3x what the 2nd to 4th did. */
-#define MTZ 8
+/* Activation rows per register tile: a step verifying up to 7 drafts (8 rows of one sequence)
+ * unpacks each weight once, not twice. AVX-512's 32 registers hold 8 rows' sums and accumulators
+ * beside the weights; AVX2's 16 do not, and the compiler keeps the accumulators (touched once per
+ * block) on the stack, which costs less than unpacking again: with 4 rows per tile a span of 8
+ * rows alone cost 3.6x one row's step, with 8 2.7x (AVX2 build, the default model, in process). */
+#define MT 8
 
 int llmd_has_avx2(void) {
 #ifdef LLMD_AVX2
@@ -94,13 +95,7 @@ int llmd_has_avx512(void) {
 
 /* Activation rows the matmuls take per pass over a weight tile: the rows up to this many unpack
  * each weight once (a step verifying drafts of one sequence up to it pays only their arithmetic). */
-int llmd_rows_per_pass(void) {
-#ifdef LLMD_ZMM
-    return MTZ;
-#else
-    return MT;
-#endif
-}
+int llmd_rows_per_pass(void) { return MT; }
 
 /* ---- activations ---- */
 
@@ -376,14 +371,14 @@ static inline __attribute__((always_inline)) void q4x16_tile(const uint8_t *wg, 
                                                              float *res, const int mt) {
     const int64_t nb = K / QK;
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    __m512 acc[MTZ];
+    __m512 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int64_t g = b / bpg;
         const __m512 ws = scales_pair(sg + g * 8, sstride);
         const __m512 wm = mg ? scales_pair(mg + g * 8, sstride) : _mm512_mul_ps(ws, _mm512_set1_ps(-8.0f));
         const uint8_t *wb = wg + b * 128;
-        __m512i s[MTZ];
+        __m512i s[MT];
         for (int m = 0; m < mt; m++) s[m] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             const __m512i v = load_pair(wb + 32 * j, wstride);
@@ -410,12 +405,12 @@ static inline __attribute__((always_inline)) void q8x16_offset_tile(const uint8_
                                                                     int64_t bpg, float *res, const int mt) {
     const int64_t nb = K / QK;
     const __m512i one8 = _mm512_set1_epi8(1);
-    __m512 acc[MTZ];
+    __m512 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const __m512 ws = scales_pair(sg + (b / bpg) * 8, sstride);
         const uint8_t *wb = wg + b * 256;
-        __m512i s32[MTZ], wsum = _mm512_setzero_si512();
+        __m512i s32[MT], wsum = _mm512_setzero_si512();
         for (int m = 0; m < mt; m++) s32[m] = _mm512_setzero_si512();
         for (int c = 0; c < 8; c++) {
             const __m512i w = load_pair(wb + 32 * c, wstride);
@@ -441,23 +436,23 @@ static void group_pair(int kind, const uint8_t *w, int64_t wstride, const uint16
     const int64_t nb = K / QK, rows = N - 8 * (G + 1) < 8 ? N - 8 * (G + 1) : 8, ss = ng * 8;
     const uint8_t *wg = w + G * wstride;
     const uint16_t *sg = scales + G * ss, *mg = mins ? mins + G * ss : NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += MTZ) {
-        const int64_t mt = M - m0 < MTZ ? M - m0 : MTZ;
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = M - m0 < MT ? M - m0 : MT;
         const int8_t *x = xq + m0 * K;
         const uint8_t *u = xu ? xu + m0 * K : NULL;
         const float *d = xd + m0 * nb, *s = xm ? xm + m0 * nb : NULL;
-        float res[MTZ * 16];
+        float res[MT * 16];
 #define Q4_CASE(T) case T: q4x16_tile(wg, wstride, sg, mg, ss, x, d, s, K, bpg, res, T); break;
 #define Q8_CASE(T) case T: q8x16_offset_tile(wg, wstride, sg, ss, u, d, K, bpg, res, T); break;
         if (kind == LLMD_Q4X8) {
             switch (mt) {
             Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7)
-            default: q4x16_tile(wg, wstride, sg, mg, ss, x, d, s, K, bpg, res, MTZ); break;
+            default: q4x16_tile(wg, wstride, sg, mg, ss, x, d, s, K, bpg, res, MT); break;
             }
         } else {
             switch (mt) {
             Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7)
-            default: q8x16_offset_tile(wg, wstride, sg, ss, u, d, K, bpg, res, MTZ); break;
+            default: q8x16_offset_tile(wg, wstride, sg, ss, u, d, K, bpg, res, MT); break;
             }
         }
 #undef Q4_CASE
@@ -518,6 +513,10 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
                 case 1: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 1); break;
                 case 2: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 2); break;
                 case 3: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 3); break;
+                case 4: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 4); break;
+                case 5: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 5); break;
+                case 6: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 6); break;
+                case 7: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 7); break;
                 default: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, MT); break;
                 }
             } else {
@@ -526,6 +525,10 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
                 case 1: q8x8_tile(wg, sg, x, NULL, d, K, bpg, res, 1); break;
                 case 2: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 2); break;
                 case 3: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 3); break;
+                case 4: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 4); break;
+                case 5: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 5); break;
+                case 6: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 6); break;
+                case 7: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 7); break;
                 default: q8x8_tile(wg, sg, x, u, d, K, bpg, res, MT); break;
                 }
             }
