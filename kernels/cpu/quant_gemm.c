@@ -61,6 +61,10 @@
 #endif
 
 #define QK LLMD_QK
+/* GROUP_OF_BLOCK: the tiles' block loops count each block's group (g = b / bpg) rather than divide:
+ * bpg is a run-time value (1, 2 or 4 blocks, or a whole row for per-channel INT8), so b / bpg was a
+ * 64-bit division per block; without it 512 rows of the gate/up projection ran ~8% faster (one
+ * thread, AVX-512 VNNI, the best of 6 alternated runs: 14.7 against 15.9 ms). */
 /* Activation rows per register tile: a step verifying up to 7 drafts (8 rows of one sequence)
  * unpacks each weight once, not twice. AVX-512's 32 registers hold 8 rows' sums and accumulators
  * beside the weights; AVX2's 16 do not, and the compiler keeps the accumulators (touched once per
@@ -190,8 +194,8 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
     (void)ones; /* unused by VNNI builds */
     __m256 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t g = b / bpg;
+    for (int64_t b = 0, g = 0, e = 0; b < nb; b++, e++) {
+        if (e == bpg) e = 0, g++; /* g = b / bpg (see GROUP_OF_BLOCK) */
         const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + g * 8)));
         const __m256 wm = mg ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + g * 8)))
                              : _mm256_mul_ps(ws, _mm256_set1_ps(-8.0f)); /* symmetric: min = -8 scale */
@@ -227,8 +231,8 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
 #else
     for (int m = 0; m < mt; m++)
         for (int i = 0; i < 8; i++) res[8 * m + i] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t g = b / bpg;
+    for (int64_t b = 0, g = 0, e = 0; b < nb; b++, e++) {
+        if (e == bpg) e = 0, g++; /* g = b / bpg (see GROUP_OF_BLOCK) */
         const uint8_t *wb = wg + b * 128;
         int16_t w[8][QK]; /* the block's weights, row by row: plain loops the compiler vectorises */
         for (int i = 0; i < 8; i++)
@@ -267,8 +271,9 @@ static inline __attribute__((always_inline)) void q8x8_offset_tile(const uint8_t
     const __m256i one8 = _mm256_set1_epi8(1);
     __m256 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + (b / bpg) * 8)));
+    for (int64_t b = 0, g = 0, e = 0; b < nb; b++, e++) {
+        if (e == bpg) e = 0, g++; /* g = b / bpg (see GROUP_OF_BLOCK) */
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + g * 8)));
         const uint8_t *wb = wg + b * 256;
         __m256i s32[MT], wsum = _mm256_setzero_si256();
         for (int m = 0; m < mt; m++) s32[m] = _mm256_setzero_si256();
@@ -304,8 +309,9 @@ static inline __attribute__((always_inline)) void q8x8_tile(const uint8_t *wg, c
     (void)ones; /* unused by VNNI builds */
     __m256 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + (b / bpg) * 8)));
+    for (int64_t b = 0, g = 0, e = 0; b < nb; b++, e++) {
+        if (e == bpg) e = 0, g++; /* g = b / bpg (see GROUP_OF_BLOCK) */
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + g * 8)));
         const uint8_t *wb = wg + b * 256;
         __m256i s32[MT];
         for (int m = 0; m < mt; m++) s32[m] = _mm256_setzero_si256();
@@ -329,7 +335,8 @@ static inline __attribute__((always_inline)) void q8x8_tile(const uint8_t *wg, c
 #else
     for (int m = 0; m < mt; m++)
         for (int i = 0; i < 8; i++) res[8 * m + i] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0, g = 0, e = 0; b < nb; b++, e++) {
+        if (e == bpg) e = 0, g++; /* g = b / bpg (see GROUP_OF_BLOCK) */
         const int8_t *wb = (const int8_t *)wg + b * 256;
         int16_t w[8][QK]; /* the block's weights, row by row: plain loops the compiler vectorises */
         for (int i = 0; i < 8; i++)
@@ -340,7 +347,7 @@ static inline __attribute__((always_inline)) void q8x8_tile(const uint8_t *wg, c
             for (int i = 0; i < 8; i++) {
                 int32_t dot = 0;
                 for (int k = 0; k < QK; k++) dot += w[i][k] * x[k];
-                res[8 * m + i] = fmaf((float)dot, llmd_f16_to_f32(sg[(b / bpg) * 8 + i]) * xd[m * nb + b],
+                res[8 * m + i] = fmaf((float)dot, llmd_f16_to_f32(sg[g * 8 + i]) * xd[m * nb + b],
                                       res[8 * m + i]);
             }
         }
@@ -373,8 +380,8 @@ static inline __attribute__((always_inline)) void q4x16_tile(const uint8_t *wg, 
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     __m512 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t g = b / bpg;
+    for (int64_t b = 0, g = 0, e = 0; b < nb; b++, e++) {
+        if (e == bpg) e = 0, g++; /* g = b / bpg (see GROUP_OF_BLOCK) */
         const __m512 ws = scales_pair(sg + g * 8, sstride);
         const __m512 wm = mg ? scales_pair(mg + g * 8, sstride) : _mm512_mul_ps(ws, _mm512_set1_ps(-8.0f));
         const uint8_t *wb = wg + b * 128;
@@ -407,8 +414,9 @@ static inline __attribute__((always_inline)) void q8x16_offset_tile(const uint8_
     const __m512i one8 = _mm512_set1_epi8(1);
     __m512 acc[MT];
     for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m512 ws = scales_pair(sg + (b / bpg) * 8, sstride);
+    for (int64_t b = 0, g = 0, e = 0; b < nb; b++, e++) {
+        if (e == bpg) e = 0, g++; /* g = b / bpg (see GROUP_OF_BLOCK) */
+        const __m512 ws = scales_pair(sg + g * 8, sstride);
         const uint8_t *wb = wg + b * 256;
         __m512i s32[MT], wsum = _mm512_setzero_si512();
         for (int m = 0; m < mt; m++) s32[m] = _mm512_setzero_si512();
