@@ -50,9 +50,8 @@ def _native() -> ctypes.CDLL | None:
 
 
 def rows_per_pass() -> int | None:
-    """Activation rows the native matmuls take per pass over a tile of weights (8 with AVX-512, 4
-    with AVX2 or portable C): up to this many rows each weight is unpacked once. None without the
-    library."""
+    """Activation rows the native matmuls take per pass over a tile of weights (8 in every build):
+    up to this many rows each weight is unpacked once. None without the library."""
     lib = _native()
     return None if lib is None else int(lib.llmd_rows_per_pass())
 

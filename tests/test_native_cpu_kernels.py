@@ -39,8 +39,10 @@ def lib(request) -> ctypes.CDLL:
     return portable
 
 
-# (m, n, k): m around the 4- and 8-row tiles, n not a multiple of the 8-row groups, k from one block up.
-SHAPES = [(1, 1, 32), (1, 17, 576), (3, 33, 256), (5, 64, 288), (7, 9, 64), (9, 24, 128), (16, 7, 1536), (33, 40, 96)]
+# (m, n, k): m every count of an 8-row tile's rows (1-8) and past it, n not a multiple of the 8-row
+# groups, k from one block up.
+SHAPES = [(1, 1, 32), (1, 17, 576), (2, 9, 64), (3, 33, 256), (4, 24, 96), (5, 64, 288), (6, 17, 128), (7, 9, 64),
+          (9, 24, 128), (16, 7, 1536), (33, 40, 96)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
