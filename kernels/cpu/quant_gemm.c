@@ -517,30 +517,22 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
             const int8_t *x = xq + m0 * K;
             const float *d = xd + m0 * nb, *s = xm ? xm + m0 * nb : NULL;
             float res[MT * 8];
+            const uint8_t *u = xu && mt > 1 ? xu + m0 * K : NULL; /* (one row: the plain tile) */
+#define Q4_CASE(T) case T: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, T); break;
+#define Q8_CASE(T) case T: q8x8_tile(wg, sg, x, u, d, K, bpg, res, T); break;
             if (kind == LLMD_Q4X8) {
                 switch (mt) {
-                case 1: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 1); break;
-                case 2: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 2); break;
-                case 3: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 3); break;
-                case 4: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 4); break;
-                case 5: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 5); break;
-                case 6: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 6); break;
-                case 7: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, 7); break;
+                Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7)
                 default: q4x8_tile(wg, sg, mg, x, d, s, K, bpg, res, MT); break;
                 }
             } else {
-                const uint8_t *u = xu && mt > 1 ? xu + m0 * K : NULL; /* (one row: the plain tile) */
                 switch (mt) {
-                case 1: q8x8_tile(wg, sg, x, NULL, d, K, bpg, res, 1); break;
-                case 2: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 2); break;
-                case 3: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 3); break;
-                case 4: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 4); break;
-                case 5: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 5); break;
-                case 6: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 6); break;
-                case 7: q8x8_tile(wg, sg, x, u, d, K, bpg, res, 7); break;
+                Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7)
                 default: q8x8_tile(wg, sg, x, u, d, K, bpg, res, MT); break;
                 }
             }
+#undef Q4_CASE
+#undef Q8_CASE
             for (int64_t m = 0; m < mt; m++) memcpy(out + (m0 + m) * ldo + 8 * G, res + 8 * m, sizeof(float) * rows);
         }
     }
