@@ -225,6 +225,13 @@ class PackedWeight:
     scales: torch.Tensor
     mins: torch.Tensor | None
 
+    def __post_init__(self) -> None:
+        # The tiles walk a group's blocks of 32 (kernels/cpu/quant_gemm.c: bpg = group / 32): a
+        # smaller or ragged group would make them read past the scales, not fail.
+        if self.group_size < QK or self.group_size % QK or self.k % self.group_size:
+            raise ValueError(f"the native kernels take groups of a multiple of {QK} inputs dividing "
+                             f"in_features {self.k}, got {self.group_size}")
+
     @classmethod
     def from_int4(cls, qw: Int4Tensors) -> PackedWeight:
         n, k = qw.packed.shape[0], 2 * qw.packed.shape[1]

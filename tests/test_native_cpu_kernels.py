@@ -87,6 +87,16 @@ def test_int8_integer_parts_are_exact(lib, m: int, n: int, k: int) -> None:
     assert torch.equal(weight(x, lib).double(), (q_x @ q_w.t()).double() * 2.0 ** -9)
 
 
+@pytest.mark.parametrize("group_size", [16, 48, 96])
+def test_a_group_the_tiles_cannot_walk_is_refused(group_size: int) -> None:
+    # 16: under a block of 32 (the tiles would read past the scales); 48: not whole blocks; 96 does not
+    # divide 64 inputs. Each raises before any kernel runs.
+    k = 64 if group_size == 96 else 96
+    q_w = torch.zeros(8, k, dtype=torch.int8)
+    with pytest.raises(ValueError, match="groups of a multiple of 32"):
+        PackedWeight.from_int8(Int8Weight(q_w, torch.ones(8, max(k // group_size, 1), dtype=torch.float16), group_size))
+
+
 def close_in_fp32(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> bool:
     """Equal up to fp32 rounding of a sum whose terms' magnitudes add up to ``terms``."""
     return bool(((got - want).abs() <= 1e-5 * terms + 1e-30).all())
