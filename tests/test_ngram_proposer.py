@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd.daemon.engine.ngram_proposer import (DRAFT_COST, MAX_DRAFT, ROW_COST, SEQ_COST, DraftLength, DraftLengths,
-                                               accepted_prefix, draft_cost, draft_limit, lookup)
+from llmd.daemon.engine.ngram_proposer import (DRAFT_COST, MATCH_CONTEXT, MAX_DRAFT, ROW_COST, SEQ_COST, DraftLength,
+                                               DraftLengths, accepted_prefix, draft_cost, draft_limit, lookup)
 
 
 def propose(tokens: list[int], k: int) -> list[int]:
@@ -17,13 +17,13 @@ def propose(tokens: list[int], k: int) -> list[int]:
 
 
 def reference(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
-    """Brute force: the longest suffix that occurs earlier with a token after it; its latest
-    occurrence's next tokens, and the suffix's length."""
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+    """Brute force: the longest suffix (up to MATCH_CONTEXT tokens) that occurs earlier with a token
+    after it; its latest occurrence's next tokens, and the suffix's length capped at ``max_n``."""
+    for n in range(min(MATCH_CONTEXT, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[len(tokens) - n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k], n
+                return tokens[start + n:start + n + k], min(n, max_n)
     return [], 0
 
 
@@ -37,6 +37,13 @@ def test_the_longest_and_latest_match() -> None:
     assert propose([1, 2, 3, 9, 5, 3, 8, 2, 3], 1) == [9]  # [2, 3] at 1 beats [3] at 5
     assert propose([9, 8, 7], 4) == [] and propose([4], 3) == [] and propose([1, 2, 1, 2], 0) == []
     assert propose([1, 2, 3, 1, 2], 10) == [3, 1, 2]  # up to the end of what follows
+    # Past 4 tokens: of two copies of a line, the one agreeing with more of the context is followed,
+    # though another came later (a 4-token suffix alone would take the latest), and the match
+    # length reported is capped at 4 (DraftLengths' classes)
+    line = [7, 1, 2, 3, 4]
+    tokens = [8, *line, 5, 9, *line, 6, 8, *line]
+    assert lookup(tokens, 1) == ([5], 4)
+    assert lookup([9, *line, 6, 8, *line], 1) == ([6], 4)  # one copy: the plain latest
 
 
 @settings(max_examples=300, deadline=None)
