@@ -206,7 +206,7 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
          * (as q4x16_tile does, with 32 registers) had the compiler keep 8 rows' partial sums on
          * the stack in AVX2's 16, a store and a load per product: 512 rows of the default model's
          * projections ran 1.3-1.4x slower, 8 rows up to 1.3x (benchmarks/quant_matmul_cpu.py --lib,
-         * x86-64-v3 build, and as much with AVX512-VNNI on 256 bits). */
+         * x86-64-v3 build; built with AVX512-VNNI on 256 bits, 1.0-1.2x). */
         const uint8_t *wb = wg + b * 128;
         __m256i w[8];
         for (int j = 0; j < 4; j++) {
@@ -217,7 +217,7 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
         for (int m = 0; m < mt; m++) {
             const int8_t *x = xq + m * K + b * QK;
 #ifdef LLMD_VNNI
-            /* int32 sums in four chains: one chain of 8 vpdpbusd waits on their latency (0.75x). */
+            /* int32 sums in four chains: one chain of 8 vpdpbusd waits on their latency (0.72-0.85x) */
             __m256i p[4];
             for (int j = 0; j < 8; j++) {
                 const __m256i xj = _mm256_set1_epi32(load_i32(x + 4 * j));
