@@ -226,15 +226,21 @@ class PackedWeight:
     mins: torch.Tensor | None
 
     def __post_init__(self) -> None:
-        # The tiles walk a group's blocks of 32 (kernels/cpu/quant_gemm.c: bpg = group / 32): a
-        # smaller or ragged group would make them read past the scales, not fail.
-        if self.group_size < QK or self.group_size % QK or self.k % self.group_size:
+        self.check_group(self.k, self.group_size)
+
+    @staticmethod
+    def check_group(k: int, group_size: int) -> None:
+        """Raises ValueError unless the tiles can walk ``group_size``: they count a group's blocks of
+        32 (kernels/cpu/quant_gemm.c: bpg = group / 32), so a smaller or ragged group would make them
+        read the wrong scales, or past them, rather than fail."""
+        if group_size < QK or group_size % QK or k % group_size:
             raise ValueError(f"the native kernels take groups of a multiple of {QK} inputs dividing "
-                             f"in_features {self.k}, got {self.group_size}")
+                             f"in_features {k}, got {group_size}")
 
     @classmethod
     def from_int4(cls, qw: Int4Tensors) -> PackedWeight:
         n, k = qw.packed.shape[0], 2 * qw.packed.shape[1]
+        cls.check_group(k, qw.group_size)  # before repacking (from_int8's may consume its input)
         w, scales, mins = repack_q4x8(qw.packed, qw.scales, qw.mins)
         return cls(Q4X8, n, k, qw.group_size, w, scales, None if symmetric_mins(scales, mins) else mins)
 
@@ -243,6 +249,7 @@ class PackedWeight:
         """``consume``: repack in ``qw``'s own memory (:func:`repack_q8x8_in_place`); ``qw`` is not
         a weight any more after."""
         n, k = qw.qweight.shape
+        cls.check_group(k, qw.group_size)  # before a repack in place destroys qw
         repack = repack_q8x8_in_place if consume else repack_q8x8
         return cls(Q8X8, n, k, qw.group_size, *repack(qw.qweight, qw.scales), None)
 

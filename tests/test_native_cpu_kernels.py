@@ -89,12 +89,16 @@ def test_int8_integer_parts_are_exact(lib, m: int, n: int, k: int) -> None:
 
 @pytest.mark.parametrize("group_size", [16, 48, 96])
 def test_a_group_the_tiles_cannot_walk_is_refused(group_size: int) -> None:
-    # 16: under a block of 32 (the tiles would read past the scales); 48: not whole blocks; 96 does not
-    # divide 64 inputs. Each raises before any kernel runs.
+    # 16: under a block of 32 (the tiles would read the wrong scales); 48: not whole blocks (past
+    # them); 96 does not divide 64 inputs. Each raises before any repacking, so a weight given to
+    # be repacked in place (consume=True) is left as it was.
     k = 64 if group_size == 96 else 96
     q_w = torch.zeros(8, k, dtype=torch.int8)
+    q_w[1, 0] = 5  # row 1's first input: a repack moves it (to byte 4)
+    weight = Int8Weight(q_w, torch.ones(8, max(k // group_size, 1), dtype=torch.float16), group_size)
     with pytest.raises(ValueError, match="groups of a multiple of 32"):
-        PackedWeight.from_int8(Int8Weight(q_w, torch.ones(8, max(k // group_size, 1), dtype=torch.float16), group_size))
+        PackedWeight.from_int8(weight, consume=True)
+    assert weight.qweight[1, 0] == 5 and weight.qweight.abs().sum() == 5  # not repacked
 
 
 def close_in_fp32(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> bool:

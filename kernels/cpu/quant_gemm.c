@@ -67,10 +67,12 @@
  * thread, AVX-512 VNNI, the best of 6 alternated runs: 14.7 against 15.9 ms). */
 /* Activation rows per register tile: a step verifying up to 7 drafts (8 rows of one sequence)
  * unpacks each weight once, not twice. AVX-512's 32 registers hold 8 rows' sums and accumulators
- * beside the weights; AVX2's 16 do not, and the compiler keeps the accumulators (touched once per
- * block) on the stack, which costs less than unpacking again: with 4 rows per tile a span of 8
+ * beside the weights; AVX2's 16 do not, and the 256-bit tiles keep the accumulators (touched once
+ * per block) on the stack, which costs less than unpacking again: with 4 rows per tile a span of 8
  * rows alone cost 3.6x one row's step, with 8 2.7x (the AVX2 build, the default model's whole engine
- * step at a 500-token context, in process, on a 2-core Xeon). */
+ * step at a 500-token context, in process, on a 2-core Xeon; measured before the INT4 tile took
+ * its rows one at a time after unpacking a block, see q4x8_tile, which made 8 rows up to 1.3x
+ * faster again). */
 #define MT 8
 
 int llmd_has_avx2(void) {
@@ -204,9 +206,10 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
          * 4j..4j+3 of the 8 rows (the low nibbles of vector j < 4, the high ones of vector j - 4).
          * Each row then runs its 8 products into registers and out. Unpacking inside the rows' loop
          * (as q4x16_tile does, with 32 registers) had the compiler keep 8 rows' partial sums on
-         * the stack in AVX2's 16, a store and a load per product: 512 rows of the default model's
+         * the stack in AVX2's 16, a store and a load per product: 64-512 rows of the default model's
          * projections ran 1.3-1.4x slower, 8 rows up to 1.3x (benchmarks/quant_matmul_cpu.py --lib,
-         * x86-64-v3 build; built with AVX512-VNNI on 256 bits, 1.0-1.2x). */
+         * x86-64-v3 build; built with AVX512-VNNI on 256 bits, 1.0-1.2x: an AVX-VNNI CPU without
+         * AVX-512 has only 16 registers for w, p and the broadcasts, and has not been timed). */
         const uint8_t *wb = wg + b * 128;
         __m256i w[8];
         for (int j = 0; j < 4; j++) {
@@ -226,7 +229,7 @@ static inline __attribute__((always_inline)) void q4x8_tile(const uint8_t *wg, c
             const __m256i s = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
             const __m256 dot = _mm256_cvtepi32_ps(s);
 #else
-            /* int16 pair sums of 8 products of <= 15 * 127: at most 30480, no overflow */
+            /* int16 lanes of 8 pairs (16 products of <= 15 * 127): at most 30480, no overflow */
             __m256i s = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++)
                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(load_i32(x + 4 * j))));
