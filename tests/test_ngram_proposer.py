@@ -53,6 +53,18 @@ def test_matches_the_brute_force_reference(tokens: list[int], k: int) -> None:
     assert lookup(tokens, k) == want and propose(tokens, k) == want[0]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=12), st.integers(1, 5), st.integers(0, 6),
+       st.integers(1, 10), st.integers(1, 10))
+def test_long_matches_and_bounds_match_the_reference(line: list[int], copies: int, k: int, min_n: int,
+                                                    max_n: int) -> None:
+    # A line repeated (what an edit's output does): matches longer than MATCH_CONTEXT, and every
+    # min_n and max_n on either side of it
+    tokens = (line * copies)[:-1] if copies > 1 else line
+    want = reference(tokens, k, min_n, max_n) if k > 0 else ([], 0)
+    assert lookup(tokens, k, min_n, max_n) == want
+
+
 def test_draft_lengths_are_learned_per_match_length() -> None:
     """Drafts found by 1-token suffixes that keep failing silence those matches only: drafts found
     by 4-token suffixes, which keep being right, are still verified in full (one acceptance for all
@@ -78,7 +90,7 @@ def test_draft_lengths_are_learned_per_match_length() -> None:
 
 
 def test_a_request_whose_drafts_all_fail_looks_only_to_probe() -> None:
-    """Looking a draft up costs ~40 us a step: once no match length is worth verifying, it is done
+    """Looking a draft up costs ~40-65 us a step: once no match length is worth verifying, it is done
     only every probe_every steps, for a one-token probe; a probe that is right brings drafting back."""
     lengths = DraftLengths(max_draft=3, cost=0.2, probe_every=5)
     for match in range(1, 5):
