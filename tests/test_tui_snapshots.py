@@ -11,6 +11,7 @@ from fake_chat_client import FakeClient, request_row, stats_message
 
 from llmd.protocol import BLOCK_CACHED, BLOCK_FIRST_OWNER, BLOCK_SHARED
 from llmd.tui.app import ChatApp
+from llmd.tui.chat_view import PromptInput
 from llmd.tui.conversation import Conversation, ConversationStore
 from llmd.tui.dashboard import Dashboard
 
@@ -37,6 +38,8 @@ def make_app(tmp_path: Path) -> ChatApp:
 
 async def show_fixed_data(pilot) -> None:
     app = pilot.app
+    # the prompt's cursor drawn steadily: blinking, a loaded machine caught it in either phase
+    app.query_one(PromptInput).cursor_blink = False
     app.query_one(Dashboard).redraw_interval_s = 0  # draw each message now: the last one is what is shown
     while not app._have_info:  # the model line is in; then _open resets the status line
         await pilot.pause(0.01)
