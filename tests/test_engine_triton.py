@@ -15,7 +15,9 @@ from llmd.daemon.attention import (AttentionMetadata, CpuAttentionBackend, Torch
                                    TritonAttentionBackend, make_attention_backend)
 from llmd.daemon.engine.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# 6 tokens a request: each is a decode step of every kernel (the interpreter's launches are most of this
+# file's ~4 minutes of `make test`; 12 tokens added ~75 s and no kernel path 6 do not reach)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 class RecordingTritonBackend(TritonAttentionBackend):
