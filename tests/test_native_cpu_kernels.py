@@ -40,9 +40,10 @@ def lib(request) -> ctypes.CDLL:
 
 
 # (m, n, k): m every count of an 8-row tile's rows (1-8) and past it, n not a multiple of the 8-row
-# groups, k from one block up.
+# groups, k from one block up; the last, rows in several chunks (the last one short) against weights in
+# several blocks (quant_gemm.c: CHUNK_BYTES, WEIGHT_BLOCK_BYTES).
 SHAPES = [(1, 1, 32), (1, 17, 576), (2, 9, 64), (3, 33, 256), (4, 24, 96), (5, 64, 288), (6, 17, 128), (7, 9, 64),
-          (9, 24, 128), (16, 7, 1536), (33, 40, 96)]
+          (9, 24, 128), (16, 7, 1536), (33, 40, 96), (50, 1040, 1536)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
