@@ -512,17 +512,15 @@ static void group_pair(int kind, const uint8_t *w, int64_t wstride, const uint16
 static void units_rows(int kind, const int8_t *xq, const uint8_t *xu, const float *xd, const float *xm, int64_t M,
                        int64_t K, const uint8_t *w, const uint16_t *scales, const uint16_t *mins, int64_t N,
                        int64_t group, float *out, int64_t ldo, int64_t per_unit, int64_t u0, int64_t u1) {
-    const int64_t nb = K / QK, ng = K / group, bpg = group / QK, groups = (N + 7) / 8;
+    const int64_t nb = K / QK, ng = K / group, bpg = group / QK;
     const int64_t wstride = nb * (kind == LLMD_Q4X8 ? 128 : 256);
     for (int64_t unit = u0; unit < u1; unit++) {
         const int64_t G = unit * per_unit;
 #ifdef LLMD_ZMM
-        if (per_unit == 2 && G + 1 < groups) {
+        if (per_unit == 2 && 8 * (G + 1) < N) { /* group G + 1 exists */
             group_pair(kind, w, wstride, scales, mins, ng, G, xq, xu, xd, xm, M, K, bpg, N, out, ldo);
             continue;
         }
-#else
-        (void)groups;
 #endif
         const uint8_t *wg = w + G * wstride;
         const uint16_t *sg = scales + G * ng * 8, *mg = mins ? mins + G * ng * 8 : NULL;
