@@ -20,7 +20,7 @@ from llmd.daemon.engine.cuda_graphs import DecodeGraphs
 from llmd.daemon.engine.decode_inputs import DecodeInputs
 from llmd.daemon.engine.outputs import Logprob
 from llmd.daemon.engine.penalty_counts import uses_counts
-from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler, top_logprobs
+from llmd.daemon.engine.sampler import SampleRequest, SampleResult, Sampler, argmax_rows, top_logprobs
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch
 from llmd.daemon.engine.structured_output import Grammar, GrammarCompiler
@@ -315,8 +315,10 @@ class ModelRunner:
                 spans.append((row, first - num_new, num_new))
         if not spans:
             return {}, {}
-        index = torch.cat([torch.arange(f, f + n, device=hidden.device) for _, f, n in spans])
-        logits = raw = self.model.compute_logits(hidden[index])
+        index = [i for _, f, n in spans for i in range(f, f + n)]
+        # (every row verified, a step of drafting sequences alone: no gather)
+        picked = hidden if len(index) == hidden.shape[0] else hidden[host_tensor(index, torch.long, hidden.device)]
+        logits = raw = self.model.compute_logits(picked)
         seqs = [batch.seqs[row] for row, _, _ in spans]
         # each position masked as a one-token step would mask it; own: for log-probabilities
         own = self._constrain(raw, seqs, grammars, compiler, [seq.draft_token_ids for seq in seqs])
@@ -335,7 +337,7 @@ class ModelRunner:
                 logits[at:at + n] = self.sampler.penalised(raw[at:at + n], positions)
             at += n
         greedy = [batch.seqs[row].params.greedy for row, _, _ in spans]
-        choices = logits.argmax(dim=-1).tolist() if any(greedy) else []
+        choices = argmax_rows(logits) if any(greedy) else []
         out, at = {}, 0
         for (row, _, n), is_greedy in zip(spans, greedy):
             if is_greedy:
