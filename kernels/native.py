@@ -38,7 +38,7 @@ from llmd.kernels import cpu_profile
 log = logging.getLogger("llmd")
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = ("quant_gemm.c", "paged_attention.c", "decode_step.c", "rope.c", "repack.c")
+SOURCES = ("quant_gemm.c", "paged_attention.c", "decode_step.c", "rope.c", "repack.c", "ngram.c")
 LIB_NAME = "libllmd_cpu.so"
 # -ffp-contract=off: no fused multiply-adds the C did not ask for (rope.c rounds as torch does).
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
@@ -66,6 +66,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_kv_write": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int, c_void_p, c_int], None),
     "llmd_repack_x8": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_void_p, c_int], c_int),
     "llmd_gather_x8_u16": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_void_p, c_int], None),
+    "llmd_ngram_match": ([c_void_p, c_int64, c_int64, c_void_p], c_int64),
 }
 
 

@@ -1,14 +1,27 @@
-"""Prompt-lookup drafts (daemon/engine/ngram_proposer.py) against a brute-force reference, and the
-adaptive draft length."""
+"""Prompt-lookup drafts (daemon/engine/ngram_proposer.py) against a brute-force reference, through the
+native match (kernels/cpu/ngram.c) and its numpy fallback, and the adaptive draft length."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmd.daemon.engine.ngram_proposer import (DRAFT_COST, MATCH_CONTEXT, MAX_DRAFT, ROW_COST, SEQ_COST, DraftLength,
-                                               DraftLengths, accepted_prefix, draft_cost, draft_limit, lookup)
+                                               DraftLengths, TokenHistory, accepted_prefix, draft_cost, draft_limit,
+                                               lookup)
+from llmd.kernels import ngram_cpu
+
+
+@pytest.fixture(params=["native", "numpy"], autouse=True)
+def match_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs through the native match and through the numpy one."""
+    if request.param == "native" and not ngram_cpu.usable():
+        pytest.skip("the native library is not built (no C compiler)")
+    if request.param == "numpy":
+        monkeypatch.setattr(ngram_cpu, "usable", lambda: False)
+    return request.param
 
 
 def propose(tokens: list[int], k: int) -> list[int]:
@@ -63,6 +76,38 @@ def test_long_matches_and_bounds_match_the_reference(line: list[int], copies: in
     tokens = (line * copies)[:-1] if copies > 1 else line
     want = reference(tokens, k, min_n, max_n) if k > 0 else ([], 0)
     assert lookup(tokens, k, min_n, max_n) == want
+
+
+def test_an_array_and_a_list_find_the_same(match_path: str) -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 80))).tolist()
+        assert lookup(np.asarray(tokens, dtype=np.int64), 5) == lookup(tokens, 5)
+        assert lookup(np.asarray(tokens, dtype=np.int32), 5) == lookup(tokens, 5)  # converted
+
+
+def test_the_native_match_refuses_what_it_cannot_read(match_path: str) -> None:
+    if match_path == "native":
+        with pytest.raises(ValueError, match="int64"):
+            ngram_cpu.match(np.arange(10, dtype=np.int32), MATCH_CONTEXT)
+        with pytest.raises(ValueError, match="contiguous"):
+            ngram_cpu.match(np.arange(20, dtype=np.int64)[::2], MATCH_CONTEXT)
+
+
+def test_the_token_history_follows_its_sequence() -> None:
+    """Tokens added are copied in; a sequence that is not the one held (shorter, or another last
+    token) is taken whole; the view is always the tokens as given."""
+    history = TokenHistory()
+    tokens = list(range(5))
+    assert history.view(tokens).tolist() == tokens
+    for t in range(300):  # grown past its first buffer, a few tokens at a time
+        tokens += [t % 7] * (1 + t % 3)
+        assert history.view(tokens).tolist() == tokens
+    assert history.view(tokens[:100]).tolist() == tokens[:100]  # shorter: rebuilt
+    other = tokens[:99] + [12345]
+    assert history.view(other).tolist() == other  # same length, another last token
+    assert history.view(other + [1, 2]).tolist() == other + [1, 2]
+    assert history.view([]).tolist() == []
 
 
 def test_draft_lengths_are_learned_per_match_length() -> None:

@@ -209,7 +209,8 @@ def test_penalties_count_the_drafts_before_each_position(model_dir, monkeypatch,
     off = run_engine(make_engine(model_dir, speculative="off"), requests(params))
     prompts = {rid: prompt for _, rid, prompt, _ in requests(params)}
 
-    def oracle(token_ids: list[int], k: int) -> tuple[list[int], int]:
+    def oracle(tokens, k: int) -> tuple[list[int], int]:
+        token_ids = list(tokens)  # (the engine passes its array of them: ngram_proposer.TokenHistory)
         (rid,) = [r for r, p in prompts.items() if token_ids[:len(p)] == p]
         done = len(token_ids) - len(prompts[rid])
         return off[rid][done:done + k], 4  # (found by a 4-token suffix)

@@ -22,8 +22,8 @@ from llmd.daemon.engine.kv_budget import cpu_kv_pool, measure_gpu_kv_budget
 from llmd.daemon.engine.kv_cache_manager import KVCacheManager
 from llmd.daemon.engine.live_view import MAX_OWNER_ROWS, RequestRow, block_map, request_rows
 from llmd.daemon.engine.model_runner import ModelRunner, bind_decode_step, kv_block_bytes
-from llmd.daemon.engine.ngram_proposer import (DraftLength, DraftLengths, accepted_prefix, draft_cost, draft_limit,
-                                               lookup)
+from llmd.daemon.engine.ngram_proposer import (DraftLength, DraftLengths, TokenHistory, accepted_prefix, draft_cost,
+                                               draft_limit, lookup)
 from llmd.daemon.engine.outputs import Logprob, RequestDelta, RequestMetrics
 from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -127,6 +127,7 @@ class _Request:
     # per prompt position (the first has none), filled as the prompt is computed
     prompt_logprobs: list[Logprob | None] | None = None
     drafts: DraftLength | DraftLengths | None = None  # how many tokens to draft (draft model | prompt lookup)
+    history: TokenHistory | None = None  # prompt lookup's copy of the tokens
 
 
 class LLMEngine:
@@ -341,8 +342,11 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self.requests[request_id].prompt_logprobs = [None] * len(prompt_token_ids)
         if self.config.speculative != "off" and _speculates(params):
-            self.requests[request_id].drafts = (DraftLength() if self.drafter is not None
-                                                else DraftLengths(self.max_draft))
+            req = self.requests[request_id]
+            if self.drafter is not None:
+                req.drafts = DraftLength()
+            else:
+                req.drafts, req.history = DraftLengths(self.max_draft), TokenHistory()
         self.scheduler.add(seq)
         return seq
 
@@ -429,7 +433,7 @@ class LLMEngine:
                 # prompt lookup: the draft first, then how much of it to verify, by how long a suffix found it
                 if room <= 0 or not req.drafts.wanted(cost):
                     continue
-                draft, match = lookup(seq.token_ids, min(room, limit))  # limit <= req.drafts.max_draft
+                draft, match = lookup(req.history.view(seq.token_ids), min(room, limit))  # limit <= req.drafts.max_draft
                 if (k := req.drafts.next(match, cost) if draft else 0) > 0:
                     found.append((seq, draft[:k]))
             elif (k := min(req.drafts.next(cost), room)) > 0:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from llmd.kernels import ngram_cpu
+
 MIN_NGRAM = 1
 MAX_NGRAM = 4
 # NOTE: k drafts make a sequence k + 1 rows of the step. The CPU's quantised matmuls take 8 activation
@@ -75,6 +77,7 @@ def lookup(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, m
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest recurring
     suffix of ``tokens`` (followed up to MATCH_CONTEXT tokens back, at least ``min_n``), and that
     suffix's length capped at ``max_n`` (what DraftLengths keys on); ``([], 0)`` when none recurs.
+    ``tokens`` may be an int64 array (:class:`TokenHistory`'s), which saves converting a list.
 
     The longest match first: a long context predicts better than a one-token one, and picks the
     copy of a repeated line that is being copied. The most recent on ties: in an edit, the part of
@@ -82,27 +85,69 @@ def lookup(tokens: Sequence[int] | np.ndarray, k: int, min_n: int = MIN_NGRAM, m
     """
     if k <= 0:
         return [], 0
-    arr = np.asarray(tokens[-SEARCH_WINDOW:], dtype=np.int64)
-    length = len(arr)
-    if length < 2:
+    arr = tokens[-SEARCH_WINDOW:]
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.int64 or not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if len(arr) < 2:
         return [], 0
-    # Every match ends where the last token recurs (before the last position, so a token follows it):
-    # one pass over the context finds those ends, and each is then followed back while it agrees (a
-    # sliding-window compare per suffix length cost ~0.4 ms a step at 600 tokens, every step).
+    end, n = ngram_cpu.match(arr, MATCH_CONTEXT) if ngram_cpu.usable() else match_numpy(arr, MATCH_CONTEXT)
+    if end < 0 or n < min_n:
+        return [], 0
+    return arr[end + 1:end + 1 + k].tolist(), min(n, max_n)
+
+
+def match_numpy(arr: np.ndarray, context: int) -> tuple[int, int]:
+    """What ``llmd.kernels.ngram_cpu.match`` computes, in numpy (without the native library):
+    ``(end, length)`` of the latest of the longest agreeing occurrences of the last token, or
+    ``(-1, 0)``.
+
+    Every match ends where the last token recurs (before the last position, so a token follows it),
+    and agrees with the context for as many tokens back as the tokens before that end and before the
+    last one are equal: one pass finds the ends, one compare of the ``context - 1`` tokens before
+    each their agreement."""
+    length = len(arr)
     ends = np.flatnonzero(arr[:length - 1] == arr[length - 1])
     if len(ends) == 0:
-        return [], 0
-    n = 1
-    for back in range(1, min(MATCH_CONTEXT, length - 1)):
-        ok = ends >= back
-        ok[ok] = arr[ends[ok] - back] == arr[length - 1 - back]
-        if not ok.any():
-            break
-        ends, n = ends[ok], n + 1  # those agreeing one token further back
-    if n < min_n:
-        return [], 0
-    start = int(ends[-1]) + 1
-    return arr[start:start + k].tolist(), min(n, max_n)
+        return -1, 0
+    depth = min(context, length - 1) - 1  # tokens compared before the last
+    if depth <= 0:
+        return int(ends[-1]), 1
+    backs = np.arange(1, depth + 1)
+    before = ends[:, None] - backs  # [ends, depth]: the positions each end is followed back to
+    agree = (arr[np.maximum(before, 0)] == arr[length - 1 - backs]) & (before >= 0)
+    # how far back each end agrees without a break (argmin: the first False; none: all of depth)
+    run = np.where(agree.all(axis=1), depth, agree.argmin(axis=1))
+    best = int(run.max())
+    return int(ends[np.flatnonzero(run == best)[-1]]), 1 + best  # the latest of the longest
+
+
+class TokenHistory:
+    """A sequence's tokens as an int64 array for :func:`lookup`, grown in place as they come: a list
+    converted whole every step cost as much as the lookup itself at a few hundred tokens.
+
+    :meth:`view` takes the tokens as they stand when drafting (no drafts among them: those are the
+    engine's until verified), and copies only those added since the last call. A sequence's tokens
+    only ever grow between drafts; should they have changed otherwise (shorter, or a different last
+    token), the array is built again.
+    """
+
+    def __init__(self) -> None:
+        self._array = np.empty(0, dtype=np.int64)
+        self._length = 0
+
+    def view(self, tokens: Sequence[int]) -> np.ndarray:
+        """``tokens`` as an array (a view of this history's buffer, valid until the next call)."""
+        n, m = len(tokens), self._length
+        if n < m or (m and self._array[m - 1] != tokens[m - 1]):
+            m = 0  # not a continuation of what is held: start again
+        if n > len(self._array):
+            grown = np.empty(max(n, 2 * len(self._array), 256), dtype=np.int64)
+            grown[:m] = self._array[:m]
+            self._array = grown
+        if n > m:
+            self._array[m:n] = tokens[m:n]
+        self._length = n
+        return self._array[:n]
 
 
 class DraftLength:
