@@ -66,6 +66,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llmd_kv_write": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int, c_void_p, c_int], None),
     "llmd_repack_x8": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_void_p, c_int], c_int),
     "llmd_gather_x8_u16": ([c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_void_p, c_int], None),
+    "llmd_q8x8_rows": ([c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int64, c_void_p], c_int),
     "llmd_ngram_match": ([c_void_p, c_int64, c_int64, c_void_p], c_int64),
 }
 

@@ -262,6 +262,16 @@ class PackedWeight:
         embedding is read this way from its head's blocks (no dense copy of the table)."""
         if self.kind != Q8X8:
             raise ValueError("rows() reads INT8 (Q8X8) weights")
+        lib = library()
+        if lib is not None and ids.device.type == "cpu":
+            ids = ids.to(torch.int64).contiguous()
+            out = torch.empty(ids.shape[0], self.k)
+            if lib.llmd_q8x8_rows(self.w.data_ptr(), self.scales.data_ptr(), self.n, self.k, self.group_size,
+                                  ids.data_ptr(), ids.shape[0], out.data_ptr()):
+                raise IndexError(f"row ids must be in 0..{self.n - 1}")
+            return out
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.n):  # (the last group's padding too)
+            raise IndexError(f"row ids must be in 0..{self.n - 1}")
         group, row = ids // 8, ids % 8
         q = self.w.view(torch.int8).view(self.w.shape[0], -1, 8, 8, 4)[group, :, :, row, :]  # [n, k/32, 8, 4]
         return dequantize_int8(q.reshape(ids.shape[0], self.k), self.scales[group, :, row], self.group_size)

@@ -11,7 +11,7 @@ from llmd.daemon.engine.sampling_params import SamplingParams
 from llmd.daemon.reference_generator import Generator
 from llmd.daemon.loader import load_model
 from llmd.daemon.model_source import resolve_model
-from llmd.kernels import native
+from llmd.kernels import native, quant_cpu
 from llmd.kernels.cpu_profile import has_fast_bf16
 from llmd.daemon.quantization import HEAD_Q8, PROJECTIONS, QuantConfig, weight_memory
 from llmd.quant.int4 import Int4Linear
@@ -91,19 +91,28 @@ def test_the_q4_1_import_is_exact(served_fp32, dense_fp32, prompts, reference) -
         served_fp32.prepare_decode()
 
 
-@pytest.mark.parametrize("group_size", [32, 64])
-def test_a_tied_embedding_reads_the_heads_rows_exactly(group_size: int) -> None:
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_a_tied_embedding_reads_the_heads_rows_exactly(group_size: int, path: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows read from the head's native blocks (the embedding of a tied Q8_0 model) are the
     dequantised table's rows, bit for bit: every row of a table whose row count is not a multiple of
-    the layout's 8, in any order, repeated."""
+    the layout's 8, in any order, repeated; by the native gather and by torch's indexing (the
+    fallback); and a row that is not there is an IndexError, not a read past the blocks."""
     if native.library() is None:
         pytest.skip("the native kernels do not build here")
     g = torch.Generator().manual_seed(0)
-    q8 = Int8Weight(torch.randint(-127, 128, (13, 128), dtype=torch.int8, generator=g),
-                    (torch.rand(13, 128 // group_size, generator=g) / 50).half(), group_size)
+    q8 = Int8Weight(torch.randint(-127, 128, (13, 256), dtype=torch.int8, generator=g),
+                    (torch.rand(13, 256 // group_size, generator=g) / 50).half(), group_size)
     head = Int8Head(q8, "native", torch.device("cpu"), torch.float32)
+    if path == "torch":
+        monkeypatch.setattr(quant_cpu, "library", lambda: None)
     ids = torch.tensor([12, 0, 7, 8, 12, 3, *range(13)])
     assert torch.equal(head.rows(ids), dequantize_int8(q8)[ids])
+    assert head.rows(torch.tensor([], dtype=torch.long)).shape == (0, 256)
+    for bad in (13, 15, -20):  # past the rows (15: in the last group's padding); before them
+        with pytest.raises(IndexError):
+            head.rows(torch.tensor([0, bad]))
 
 
 def test_a_head_made_in_its_blocks_own_memory_is_the_same_head() -> None:
