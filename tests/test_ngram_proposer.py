@@ -87,11 +87,12 @@ def test_an_array_and_a_list_find_the_same(match_path: str) -> None:
 
 
 def test_the_native_match_refuses_what_it_cannot_read(match_path: str) -> None:
-    if match_path == "native":
-        with pytest.raises(ValueError, match="int64"):
-            ngram_cpu.match(np.arange(10, dtype=np.int32), MATCH_CONTEXT)
-        with pytest.raises(ValueError, match="contiguous"):
-            ngram_cpu.match(np.arange(20, dtype=np.int64)[::2], MATCH_CONTEXT)
+    if match_path != "native":
+        pytest.skip("the native match's own checks")
+    with pytest.raises(ValueError, match="int64"):
+        ngram_cpu.match(np.arange(10, dtype=np.int32), MATCH_CONTEXT)
+    with pytest.raises(ValueError, match="contiguous"):
+        ngram_cpu.match(np.arange(20, dtype=np.int64)[::2], MATCH_CONTEXT)
 
 
 def test_the_token_history_follows_its_sequence() -> None:
