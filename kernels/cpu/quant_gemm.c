@@ -96,6 +96,18 @@
 #ifndef WEIGHT_BLOCK_BYTES
 #define WEIGHT_BLOCK_BYTES (256 * 1024)
 #endif
+/* The 512-bit build takes two groups a unit (q4x16_tile, q8x16_offset_tile) from this many rows on;
+ * fewer go a group at a time. Why: at a few rows the matmuls wait on the weights' reads, and a unit
+ * of two groups reads two streams, each broken off where the other begins (groups are stored one
+ * after the other), which the prefetchers probably follow worse than one unbroken stream (this VM
+ * has no counters to show it); measured, on a 2-core Zen 5,
+ * the default model's 120 projections at one row ran 1.2x faster a group at a time (34.9 against
+ * 28.6 GB/s, 8 alternated rounds), its one-row decode step ~10% faster in the engine; at 4 rows
+ * 1.05-1.12x, at 5 even, from 6 rows on the pairs win (0.97-0.76x), their broadcasts serving 16
+ * outputs once arithmetic is the bound. The same bits either way (each lane is q4x8_tile's). */
+#ifndef PAIR_MIN_ROWS
+#define PAIR_MIN_ROWS 5
+#endif
 
 int llmd_has_avx2(void) {
 #ifdef LLMD_AVX2
@@ -555,21 +567,18 @@ void llmd_qgemm_body(int kind, const int8_t *xq, const float *xd, const float *x
                      const uint8_t *w, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t group,
                      float *out, int64_t ldo) {
     const int64_t nb = K / QK, ng = K / group, groups = (N + 7) / 8;
-    /* INT8 weights with VNNI, several rows (or any in the 512-bit build): the activations offset to
-     * u8, this thread's copy */
+    /* INT8 weights with VNNI, several rows (a row alone takes the plain tile, also in the 512-bit
+     * build, where the pairs start at PAIR_MIN_ROWS): the activations offset to u8, this thread's copy */
     uint8_t *xu = NULL;
 #ifdef LLMD_VNNI
-#ifdef LLMD_ZMM
-    const int64_t min_rows = 1; /* the 512-bit INT8 tile takes a row alone so too */
-#else
-    const int64_t min_rows = 2;
-#endif
+    const int64_t min_rows = PAIR_MIN_ROWS < 2 ? PAIR_MIN_ROWS : 2;
     if (kind == LLMD_Q8X8 && M >= min_rows && (xu = malloc((size_t)(M * K))) != NULL)
         for (int64_t i = 0; i < M * K; i++) xu[i] = (uint8_t)xq[i] ^ 0x80; /* x + 128 */
 #endif
 #ifdef LLMD_ZMM
-    /* groups per iteration: a pair (group_pair), or one (INT8 weights whose u8 copy failed) */
-    const int64_t per_unit = kind == LLMD_Q4X8 || xu ? 2 : 1;
+    /* groups per iteration: a pair (group_pair) from PAIR_MIN_ROWS rows on, else one (and INT8 weights
+     * whose u8 copy failed) */
+    const int64_t per_unit = (kind == LLMD_Q4X8 || xu) && M >= PAIR_MIN_ROWS ? 2 : 1;
 #else
     const int64_t per_unit = 1;
 #endif
