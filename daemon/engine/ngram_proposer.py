@@ -232,7 +232,7 @@ class DraftLengths:
     stream, drafts of up to 7 from 4-token matches alone ran 1.13x of 3, from every match 1.07x;
     measured while lookup followed matches 4 tokens back).
 
-    The draft has to be looked up before its length is known (~40-65 us at 600 tokens of context), so
+    The draft has to be looked up before its length is known (~0.07 ms inside a served step, natively), so
     :meth:`wanted` says when to look: while some match length is worth verifying, and then every
     ``probe_every`` steps (a one-token probe), as :class:`DraftLength` probes.
     """
