@@ -433,7 +433,8 @@ class LLMEngine:
                 # prompt lookup: the draft first, then how much of it to verify, by how long a suffix found it
                 if room <= 0 or not req.drafts.wanted(cost):
                     continue
-                draft, match = lookup(req.history.view(seq.token_ids), min(room, limit))  # limit <= req.drafts.max_draft
+                # (limit <= req.drafts.max_draft)
+                draft, match = lookup(req.history.view(seq.token_ids), min(room, limit))
                 if (k := req.drafts.next(match, cost) if draft else 0) > 0:
                     found.append((seq, draft[:k]))
             elif (k := min(req.drafts.next(cost), room)) > 0:

@@ -100,11 +100,11 @@
  * fewer go a group at a time. Why: at a few rows the matmuls wait on the weights' reads, and a unit
  * of two groups reads two streams, each broken off where the other begins (groups are stored one
  * after the other), which the prefetchers probably follow worse than one unbroken stream (this VM
- * has no counters to show it); measured, on a 2-core Zen 5,
- * the default model's 120 projections at one row ran 1.2x faster a group at a time (34.9 against
- * 28.6 GB/s, 8 alternated rounds), its one-row decode step ~10% faster in the engine; at 4 rows
- * 1.05-1.12x, at 5 even, from 6 rows on the pairs win (0.97-0.76x), their broadcasts serving 16
- * outputs once arithmetic is the bound. The same bits either way (each lane is q4x8_tile's). */
+ * has no counters to show it). Measured on a 2-core Zen 5: the default model's 120 projections at
+ * one row ran 1.2x faster a group at a time (34.9 against 28.6 GB/s, 8 alternated rounds), edit chats
+ * 1.10x faster in the engine (benchmarks/engine_lib_ab.py); at 4 rows 1.05-1.12x, at 5 even, from 6
+ * rows on the pairs win (0.97-0.76x), their broadcasts serving 16 outputs once arithmetic is the
+ * bound. The same bits either way (each lane is q4x8_tile's). */
 #ifndef PAIR_MIN_ROWS
 #define PAIR_MIN_ROWS 5
 #endif

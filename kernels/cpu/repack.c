@@ -75,7 +75,8 @@ int llmd_q8x8_rows(const uint8_t *w, const uint16_t *scales, int64_t rows, int64
         for (int64_t b = 0; b < nb; b++) {
             const float scale = llmd_f16_to_f32(s[(b / bpg) * 8]);
             for (int c = 0; c < 8; c++)
-                for (int t = 0; t < 4; t++) row[32 * b + 4 * c + t] = (float)blocks[b * 256 + 32 * c + 4 * i + t] * scale;
+                for (int t = 0; t < 4; t++)
+                    row[32 * b + 4 * c + t] = (float)blocks[b * 256 + 32 * c + 4 * i + t] * scale;
         }
     }
     return 0;
