@@ -266,8 +266,12 @@ def test_overloaded_and_injected_step_failure(model_dir, tmp) -> None:
     socket_dir = tmp / "faulty"
     # NOTE: the fault must come well after the next two requests arrive: at step 40 (~40 ms of tiny-model
     # steps) a loaded CI machine once let it fire first, emptying the queue the overload check needs.
-    env = fault_env(daemon_env(tmp), LLMD_TEST_FAULT_STEP="400")
-    start_daemon(model_dir, socket_dir, "--max-num-seqs", "1", "--max-queue-len", "1", env=env)
+    # And the first request must still run then: with speculation a tiny model's repetitive greedy output
+    # took up to 8 tokens a step, and a fresh-clone run once saw its 3000 tokens done before the third
+    # request came (no overload). Without it, 3000 tokens are 3000 steps, past the fault at step 1000.
+    env = fault_env(daemon_env(tmp), LLMD_TEST_FAULT_STEP="1000")
+    start_daemon(model_dir, socket_dir, "--max-num-seqs", "1", "--max-queue-len", "1", "--speculative", "off",
+                 env=env)
     try:
         with Client(socket_dir) as c:
             first = iter(c.generate(token_ids=prompt(1), max_tokens=3000, temperature=0, ignore_eos=True))
@@ -275,7 +279,7 @@ def test_overloaded_and_injected_step_failure(model_dir, tmp) -> None:
             queued = c.generate(token_ids=prompt(2), max_tokens=10, temperature=0, ignore_eos=True)  # waiting
             with pytest.raises(ServerError, match="overloaded"):
                 c.generate(token_ids=prompt(3), max_tokens=10, stream=False)
-            # Step 40 raises inside the daemon: both in-flight requests get an internal error ...
+            # Step 1000 raises inside the daemon: both in-flight requests get an internal error ...
             with pytest.raises(ServerError, match="internal"):
                 list(first)
             with pytest.raises(ServerError, match="internal"):
