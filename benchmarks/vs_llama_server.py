@@ -8,15 +8,15 @@ the same workload, the same cores, in one run, measured by one tool (`llmd bench
 Both servers are started here and stay up; the idle one sleeps: llama-server with -t <cores> and one
 slot per stream of the largest count (continuous batching), the llmd daemon with its defaults,
 `--model GGUF`, `--http` and `--no-prefix-cache` (below). Three targets, in turn within each round:
-llama-server over its OpenAI API (`llmd bench --url`'s driver, llmd/bench_http.py), llmd over the same API, and llmd over
-ZeroMQ (`llmd bench`'s, llmd/bench.py). Each round has fresh random prompts (token ids: exact lengths),
-the same for the three targets (llmd's prefix cache is off, so its second target does not reuse the
-first's prompt work), greedy, `--output-tokens` new tokens ignoring end-of-text. Reported per target:
-aggregate output tok/s (tokens over the wall time from the first request to the last token, prefill
-included), per-stream decode tok/s (the tokens after the first over the median time from the first
-token to the last), TTFT p50/p99; then the ratios llmd-HTTP / llama-server and llmd-HTTP /
-llmd-ZeroMQ (the HTTP path's cost). The median round of each is shown. A ratio from one run is the figure to quote: absolute tok/s differ 2x between days
-on these machines.
+llama-server over its OpenAI API (`llmd bench --url`'s driver, llmd/bench_http.py), llmd over the
+same API, and llmd over ZeroMQ (`llmd bench`'s, llmd/bench.py). Each round has fresh random prompts
+(token ids: exact lengths), the same for the three targets (llmd's prefix cache is off, so its second
+target does not reuse the first's prompt work), greedy, `--output-tokens` new tokens ignoring
+end-of-text. Reported per target: aggregate output tok/s (tokens over the wall time from the first
+request to the last token, prefill included), per-stream decode tok/s (the tokens after the first
+over the median time from the first token to the last), TTFT p50/p99; then the ratios llmd-HTTP /
+llama-server and llmd-HTTP / llmd-ZeroMQ (the HTTP path's cost). The median round of each is shown.
+A ratio from one run is the figure to quote: absolute tok/s differ 2x between days on these machines.
 """
 
 from __future__ import annotations
