@@ -292,6 +292,55 @@ def test_steps_are_paced_to_their_time_targets(monkeypatch: pytest.MonkeyPatch) 
     assert 0.85 <= timed_step(sched) <= 1.1, "one owner again (the rate last measured in short steps: a little under)"
 
 
+def test_drafts_stay_within_a_paced_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculation never delays another client's first token: in a step with prompt work under a
+    time target, draft tokens take only what the paced budget leaves, as prompt tokens would (the
+    unpaced token budget would let them stretch the step past its target); in a step without prompt
+    work they take the whole budget. Canary: with drafts counted against the unpaced budget alone, the
+    shared steps here took 0.6 s, and the rate measured over them cut the prompt to 16 tokens a step
+    (188 steps to its first token, against the ~86 asserted)."""
+    import llmd.daemon.engine.scheduler as scheduler_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(scheduler_module, "time", clock)
+    sched = make_scheduler(paced=True)  # step_seconds 0.2, lone_step_seconds 1.0
+
+    def timed_step(drafts: int) -> tuple[float, int]:
+        """A step after giving the chat ``drafts`` draft tokens, all rejected; returns its time
+        and the draft tokens it verified."""
+        if chat.num_computed_tokens == chat.num_tokens - 1:
+            chat.add_drafts([7] * drafts)
+        batch = sched.schedule()
+        verified = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_draft_tokens:
+                verified += n - 1
+                seq.accept_drafts(0)  # what LLMEngine._accept does with drafts it rejects
+                sched.kv.trim(seq)
+        seconds = 0.02 + 0.005 * batch.num_tokens
+        clock.now += seconds
+        sampled = [7 if seq.num_computed_tokens + min(n, seq.num_tokens - seq.num_computed_tokens) == seq.num_tokens
+                   else None for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        sched.update(batch, sampled)
+        end_finished(sched, batch)
+        return seconds, verified
+
+    chat = add_all(sched, [make_seq("chat", 16, owner="A", max_tokens=400)])[0]
+    while chat.num_output_tokens < 2:
+        timed_step(0)
+    alone = [timed_step(100) for _ in range(3)]
+    assert all(verified == 100 for _, verified in alone), f"no prompt work: drafts take the budget, {alone}"
+    doc = add_all(sched, [make_seq("doc", 3000, owner="B", max_tokens=2)])[0]
+    shared = []
+    while doc.num_output_tokens == 0 and len(shared) < 400:
+        shared.append(timed_step(100))
+    assert all(t <= 0.22 for t, _ in shared[1:]), f"prompt work of another owner: steps up to {max(shared)}"
+    # ~35 prompt tokens a 0.2 s step beside the chat's row: the same first token as without drafts
+    assert len(shared) <= 3000 // 33, f"the prompt took {len(shared)} steps"
+    after = [timed_step(100)[1] for _ in range(3)]
+    assert after == [100] * 3, f"the prompt done, drafts take the budget again: {after}"
+
+
 @pytest.mark.parametrize("name", ["step_seconds", "lone_step_seconds"])
 @pytest.mark.parametrize("bad", [0, -0.5, True, "0.2"])
 def test_step_seconds_are_checked(name: str, bad: Any) -> None:

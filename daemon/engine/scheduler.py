@@ -191,8 +191,14 @@ class Scheduler:
             budget = self._share(queues, budget, grants)
         batch.seqs += grants
         batch.num_new_tokens += grants.values()
-        # Drafts last: speculation never takes budget from prompt work (another request's first token).
-        left = unpaced - sum(grants.values())
+        # Drafts last: speculation never takes budget from prompt work (another request's first token),
+        # nor its time. A step with prompt work gives drafts only what its paced budget leaves, as it
+        # would give more prompt tokens: with the unpaced budget's rest, drafts stretched such steps
+        # past their target, and the rate measured over them then cut the next steps' prompt tokens
+        # to a few (tests/test_scheduler_fairness.py). A step without prompt work paces nothing.
+        prompt_tokens = sum(grants.values())
+        left = budget if prompt_tokens else unpaced
+        drafts = 0
         for row in drafted:
             seq = batch.seqs[row]
             keep = min(seq.num_draft_tokens, left)
@@ -201,7 +207,9 @@ class Scheduler:
                 self.kv.trim(seq)
             batch.num_new_tokens[row] += keep
             left -= keep
-        self._num_prompt_tokens = sum(grants.values())
+            drafts += keep
+        # the paced tokens the step's time is measured over: its drafts ran in the prompt's time
+        self._num_prompt_tokens = prompt_tokens + drafts if prompt_tokens else 0
         self._scheduled_at = time.monotonic()
         return batch
 
