@@ -319,6 +319,7 @@ def test_drafts_stay_within_a_paced_step(monkeypatch: pytest.MonkeyPatch) -> Non
                 sched.kv.trim(seq)
         seconds = 0.02 + 0.005 * batch.num_tokens
         clock.now += seconds
+        # (a verified row's n still counts the drafts it rejected)
         sampled = [7 if seq.num_computed_tokens + min(n, seq.num_tokens - seq.num_computed_tokens) == seq.num_tokens
                    else None for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         sched.update(batch, sampled)
