@@ -51,11 +51,11 @@
 /* How far ahead of the row being read (or widened) to prefetch K/V rows: they live in scattered
  * blocks, so the hardware prefetcher alone stalls at every block boundary. In bytes of this KV head's
  * rows, so a bf16 or int8 cache looks as far ahead as an fp32 one: 8 rows of fp32 (as this once was
- * for every format), 16 of bf16. On a 2-core Zen 5, AVX2 build, 12 alternated rounds: a bf16 cache
- * 0.83-0.91x the time with 16 rows ahead instead of 8 (one 4000-token context, 16 of 500 tokens, with
- * and without spans of 4; AVX-512 build 0.79-0.87x) and `edit` chats in the engine 1.06x faster without
- * speculation, 1.04x with it (native profile, bf16 cache: benchmarks/engine_lib_ab.py); fp32 with 16
- * or 32 rows 0.96-1.04x of 8. */
+ * for every format), 16 of bf16, 31 of int8. On a 2-core Zen 5, 12 alternated rounds, one
+ * 4000-token context and 16 of 500 tokens (with and without spans of 4), against 8 rows ahead: a bf16
+ * cache 0.83-0.91x the time (AVX2 build), 0.79-0.87x (AVX-512); an int8 one 0.82-0.93x in both; fp32
+ * with 16 or 32 rows 0.96-1.04x of 8. In the engine, `edit` chats ran 1.06x faster without
+ * speculation and 1.04x with it (native profile, bf16 cache: benchmarks/engine_lib_ab.py). */
 #ifndef PREFETCH_BYTES_AHEAD
 #define PREFETCH_BYTES_AHEAD 2048
 #endif
