@@ -146,8 +146,8 @@ class Scheduler:
         self._blocker: Sequence | None = None
         self._preempted = False
         # pacing: how fast the last step with prompt work ran
-        self._prompt_tokens_per_s: float | None = None
-        self._num_prompt_tokens = 0  # in the step scheduled last
+        self._paced_tokens_per_s: float | None = None
+        self._num_paced_tokens = 0  # in the step scheduled last: its prompt tokens and the drafts beside them
         self._scheduled_at = 0.0
         self._served_at: dict[Any, float] = {}  # owner -> when it was last granted prompt work
 
@@ -209,7 +209,7 @@ class Scheduler:
             left -= keep
             drafts += keep
         # the paced tokens the step's time is measured over: its drafts ran in the prompt's time
-        self._num_prompt_tokens = prompt_tokens + drafts if prompt_tokens else 0
+        self._num_paced_tokens = prompt_tokens + drafts if prompt_tokens else 0
         self._scheduled_at = time.monotonic()
         return batch
 
@@ -220,11 +220,11 @@ class Scheduler:
         seconds = cfg.step_seconds if shared else cfg.lone_step_seconds
         if seconds is None:
             return cfg.max_batched_tokens
-        if self._prompt_tokens_per_s is None:
+        if self._paced_tokens_per_s is None:
             return min(cfg.max_batched_tokens, PROBE_PACED_TOKENS)
         # NOTE: the rate includes each step's fixed cost, so if a step costs fixed + n * per_token,
         # steps settle at the n that takes ``seconds``.
-        return max(MIN_PACED_TOKENS, int(self._prompt_tokens_per_s * seconds))
+        return max(MIN_PACED_TOKENS, int(self._paced_tokens_per_s * seconds))
 
     def _share(self, queues: dict[Any, list[Sequence]], budget: int, grants: dict[Sequence, int]) -> int:
         """Grant up to ``budget`` tokens to the owners' queues, max-min fairly between owners,
@@ -339,8 +339,8 @@ class Scheduler:
         blocks, and the token it sampled (None while its prompt is not done). Whether that token
         ends it is the engine's call (it alone sees the text, for stop strings): :meth:`finish`."""
         seconds = time.monotonic() - self._scheduled_at  # the model's run: called right after it
-        if self._num_prompt_tokens >= MIN_PACED_TOKENS:
-            self._prompt_tokens_per_s = self._num_prompt_tokens / max(seconds, 1e-9)
+        if self._num_paced_tokens >= MIN_PACED_TOKENS:
+            self._paced_tokens_per_s = self._num_paced_tokens / max(seconds, 1e-9)
         for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, sampled):
             if seq.is_finished:  # aborted while the step ran
                 continue
