@@ -13,6 +13,10 @@ accept) and adds the model's own next token.
 Reported: tokens per step (the ceiling on the speed-up), acceptance (accepted / drafted tokens), the
 share of steps that drafted at all, and the speed-up the cost model expects: tokens over steps plus
 ``--cost`` (what verifying one draft token costs, as a share of a step) times the drafted tokens.
+``oracle`` is what the same lookups would give with draft lengths chosen in hindsight: each step
+drafts exactly the tokens that will be accepted (up to --max-draft), so nothing is rejected. It
+bounds what any draft-length rule can gain over DraftLengths; a better guess of the tokens
+themselves (another proposer) is not bounded by it.
 """
 
 from __future__ import annotations
@@ -30,14 +34,20 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a 
              "What should I pack for a weekend of hiking?", "Tell me a story about a lost key."]
 
 
-def replay(prompt: list[int], answer: list[int], max_draft: int, cost: float) -> tuple[int, int, int, int]:
-    """(steps, drafted tokens, accepted tokens, steps that drafted) for ``answer`` after ``prompt``."""
+def replay(prompt: list[int], answer: list[int], max_draft: int, cost: float,
+           oracle: bool = False) -> tuple[int, int, int, int]:
+    """(steps, drafted tokens, accepted tokens, steps that drafted) for ``answer`` after ``prompt``;
+    ``oracle``: every step drafts just the tokens the answer will accept (none rejected)."""
     lengths = DraftLengths(max_draft, cost)
     steps = drafted = accepted = drafting = done = 0
     while done < len(answer):
-        draft, match = lookup(prompt + answer[:done], max_draft) if lengths.wanted() else ([], 0)  # as _draft
-        draft = draft[:lengths.next(match) if draft else 0]
         rest = answer[done:]
+        if oracle:
+            draft, _ = lookup(prompt + answer[:done], max_draft)
+            draft = draft[:accepted_prefix(draft, rest)]
+        else:
+            draft, match = lookup(prompt + answer[:done], max_draft) if lengths.wanted() else ([], 0)  # as _draft
+            draft = draft[:lengths.next(match) if draft else 0]
         a = accepted_prefix(draft, rest)
         if draft:
             lengths.update(len(draft), a)
@@ -66,7 +76,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print(f"max draft {args.max_draft}, cost {args.cost}; greedy answers of up to {args.max_tokens} tokens")
     print(f"{'workload':<8} {'requests':>8} {'tokens':>7} {'steps':>6} {'tok/step':>8} {'acceptance':>10} "
-          f"{'drafting':>8} {'expected':>8}  per request tok/step")
+          f"{'drafting':>8} {'expected':>8} {'oracle':>7}  per request tok/step")
     for name, chats in workloads.items():
         outs = llm.chat(chats, params)
         rows = [(out, replay(list(out.prompt_token_ids), list(out.token_ids), args.max_draft, args.cost)) for out in outs]
@@ -74,9 +84,12 @@ def main() -> None:
         steps = sum(r[0] for _, r in rows)
         drafted, accepted, drafting = (sum(r[i] for _, r in rows) for i in (1, 2, 3))
         per = [len(out.token_ids) / r[0] for out, r in rows if r[0]]
+        best = [replay(list(out.prompt_token_ids), list(out.token_ids), args.max_draft, args.cost, oracle=True)
+                for out, _ in rows]
+        best_cost = sum(r[0] + args.cost * r[1] for r in best)
         print(f"{name:<8} {len(rows):>8} {tokens:>7} {steps:>6} {tokens / steps:>8.2f} "
               f"{accepted / max(drafted, 1):>10.2f} {drafting / steps:>8.2f} "
-              f"{tokens / (steps + args.cost * drafted):>7.2f}x  "
+              f"{tokens / (steps + args.cost * drafted):>7.2f}x {tokens / best_cost:>6.2f}x  "
               f"median {statistics.median(per):.2f}, range {min(per):.2f}-{max(per):.2f}")
 
 
