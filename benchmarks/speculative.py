@@ -16,8 +16,10 @@ requests one after another (one alone is one prompt's luck), each on both daemon
 goes first alternating), so the two sides of a comparison run seconds apart: these machines' speed
 drifts by tens of per cent within minutes. 16 streams run 16 at once, on one daemon then the other.
 Reported per case: output tok/s off and on (the median of the rounds), the ratio on / off of each
-round (the median and the range: what drifts least), and over all rounds on the speculating daemon
-the share of draft tokens accepted and the tokens per verification. The ratio is the figure to quote.
+round (the median and the range: what drifts least), at one stream the same ratio after each
+request's first token (``decode``: the prompt's prefill, the same on and off, left out), and over
+all rounds on the speculating daemon the share of draft tokens accepted and the tokens per
+verification. The end-to-end ratio is the figure to quote.
 
 ``--worst-case`` measures instead what speculation costs when no draft is ever right: in this process
 (llmd.LLM), the engine's proposer replaced by one that always guesses token 0, against speculation
@@ -61,8 +63,14 @@ def run_case(connection: dict[str, Any], configs: list[BenchConfig]) -> dict[str
     drafted = sum(r.draft_tokens for r in reports)
     accepted = sum(r.accepted_draft_tokens for r in reports)
     verifications = sum(r.verifications for r in reports)
+    # a request alone: its tokens after the first, over its time after the first token (the prompt's
+    # prefill, which speculation does not change, left out)
+    alone = [r for r in reports if r.num_requests == 1 and r.ttft_p50 is not None]
+    decode_tokens = sum(r.output_tokens - 1 for r in alone)
+    decode_seconds = sum(r.duration_s - r.ttft_p50 for r in alone)
     return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "drafted": drafted,
-            "accepted": accepted, "verifications": verifications}
+            "accepted": accepted, "verifications": verifications, "decode_tokens": decode_tokens,
+            "decode_seconds": decode_seconds}
 
 
 def run_interleaved(connections: dict[str, dict[str, Any]], modes: tuple[str, ...], configs: list[BenchConfig],
@@ -75,7 +83,8 @@ def run_interleaved(connections: dict[str, dict[str, Any]], modes: tuple[str, ..
             parts[mode].append(run_case(connections[mode], [config]))
     totals = {}
     for mode, rs in parts.items():
-        sums = {k: sum(r[k] for r in rs) for k in ("tokens", "seconds", "drafted", "accepted", "verifications")}
+        sums = {k: sum(r[k] for r in rs) for k in ("tokens", "seconds", "drafted", "accepted", "verifications",
+                                                    "decode_tokens", "decode_seconds")}
         totals[mode] = {"tok_s": sums["tokens"] / sums["seconds"], **sums}
     return totals
 
@@ -235,14 +244,19 @@ def main() -> None:
     print(f"model {info.get('model')}{drafting}; {info.get('dtype')}, {kernels_line(info.get('kernels', {}))}; "
           f"greedy; median of {args.rounds} rounds; one stream: {args.requests} requests in a row")
     print(f"{'workload':<8} {'streams':>7} | {'off tok/s':>9} {on_mode + ' tok/s':>11} | {'on/off':>6} {'range':>11} | "
-          f"{'accepted':>8} {'tok/verify':>10} {'drafted':>8}")
+          f"{'decode':>6} | {'accepted':>8} {'tok/verify':>10} {'drafted':>8}")
     for (workload, n), by_mode in results.items():
         med = {m: sorted(r["tok_s"] for r in rs)[len(rs) // 2] for m, rs in by_mode.items()}
         ratios = sorted(on["tok_s"] / off["tok_s"] for off, on in zip(by_mode["off"], by_mode[on_mode]))
+        # one stream: the same ratio after each request's first token (its prefill left out)
+        decode = sorted((on["decode_tokens"] / on["decode_seconds"]) / (off["decode_tokens"] / off["decode_seconds"])
+                        for off, on in zip(by_mode["off"], by_mode[on_mode])
+                        if off["decode_seconds"] > 0 and on["decode_seconds"] > 0)
+        decode_text = f"{decode[len(decode) // 2]:>5.2f}x" if decode else f"{'-':>6}"
         drafted, accepted, verifications = (sum(r[k] for r in by_mode[on_mode])
                                             for k in ("drafted", "accepted", "verifications"))
         print(f"{workload:<8} {n:>7} | {med['off']:>9.1f} {med[on_mode]:>11.1f} | {ratios[len(ratios) // 2]:>5.2f}x "
-              f"{ratios[0]:>5.2f}-{ratios[-1]:.2f} | {100 * accepted / max(drafted, 1):>7.0f}% "
+              f"{ratios[0]:>5.2f}-{ratios[-1]:.2f} | {decode_text} | {100 * accepted / max(drafted, 1):>7.0f}% "
               f"{1 + accepted / max(verifications, 1):>10.2f} {drafted / len(ratios):>8.0f}")
 
 
