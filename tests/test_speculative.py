@@ -131,6 +131,39 @@ def test_a_verified_span_is_the_same_bits_as_one_token_at_a_time(model_dir) -> N
     assert torch.equal(step([(1, 190, 7), *span])[1:], one_at_a_time)
 
 
+def test_a_step_of_verified_and_sampled_rows_reads_the_head_once(model_dir, monkeypatch) -> None:
+    """The verified spans' rows and the sampled rows go through the LM head in one call (its
+    weights are read once a step), on the served CPU path (INT4, the native step), and the tokens
+    are those without speculation."""
+    from llmd.daemon.attention import CpuAttentionBackend
+    from llmd.daemon.quantization import QuantConfig
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    config = dict(attention=CpuAttentionBackend(), quant=QuantConfig("int4"), dtype=torch.bfloat16)
+    off = run_engine(make_engine(model_dir, speculative="off", **config), requests(params))
+    engine = make_engine(model_dir, speculative="ngram", **config)
+    runner, model = engine.runner, engine.runner.model
+    calls: list[int] = []
+    steps: list[tuple[int, bool, bool]] = []  # per step: head calls, verified rows, sampled rows
+    compute_logits, run = model.compute_logits, runner.run
+
+    def counted_logits(hidden):
+        calls.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    def counted_run(batch, *args, **kwargs):
+        calls.clear()
+        out = run(batch, *args, **kwargs)
+        steps.append((len(calls), bool(out.verified), out.result is not None))
+        return out
+
+    monkeypatch.setattr(model, "compute_logits", counted_logits)
+    monkeypatch.setattr(runner, "run", counted_run)
+    assert run_engine(engine, requests(params)) == off
+    assert any(verified and sampled for _, verified, sampled in steps)  # the case this is about
+    assert all(n == (verified or sampled) for n, verified, sampled in steps)
+
+
 def test_acceptance_is_counted_per_request_and_in_total(model_dir) -> None:
     from llmd.commands.status import _speculation_line
     from llmd.tui.dashboard import speculation_part

@@ -193,7 +193,7 @@ class ModelRunner:
         self.sampler.release(request_id)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
-                                                       torch.Tensor | slice, list[tuple[int, int, int]]]:
+                                                       list[int], list[tuple[int, int, int]]]:
         """Inputs for ``batch``; also returns the batch rows whose last token is sampled, the
         indices of those tokens in the flat batch, and the prompt rows to score for prompt
         log-probabilities as ``(batch row, first flat index, count)``.
@@ -217,9 +217,7 @@ class ModelRunner:
                 sample_tokens.append(first - 1)
         if first == len(batch.seqs):  # one token each: a decode step
             ids, positions, meta = self.decode_inputs.fill(batch.seqs)
-            picked = slice(0, len(sample_rows)) if len(sample_rows) == len(batch.seqs) else \
-                host_tensor(sample_tokens, torch.long, self.device)
-            return ids, positions, meta, sample_rows, picked, scored
+            return ids, positions, meta, sample_rows, sample_tokens, scored
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -251,7 +249,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=host_tensor(slots, torch.long, dev), query_lens=query_lens,
                                  seq_lens=seq_lens, block_tables=host_tensor(tables, torch.long, dev))
         return (host_tensor(input_ids, torch.long, dev), host_tensor(positions, torch.long, dev), meta, sample_rows,
-                host_tensor(sample_tokens, torch.long, dev), scored)
+                sample_tokens, scored)
 
     def run(self, batch: ScheduledBatch, grammars: dict[str, Grammar] | None = None,
             compiler: GrammarCompiler | None = None) -> StepOutput:
@@ -266,10 +264,22 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_caches, meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         prompt_logprobs = self._prompt_logprobs(hidden, batch, scored) if scored else {}
-        verified, verified_logprobs = self._verify(hidden, batch, grammars, compiler)
+        # The verified spans' rows and the sampled rows through the LM head in one call: its weights
+        # (tens of MB) are read once a step, not once for each kind of row (a step of 2 sampled rows
+        # and 6 verified ones took 1.3 ms against 2.3 ms in two calls, AVX-512, 2 cores).
+        spans = self._spans(batch)
+        verify_rows = [i for _, first, n in spans for i in range(first, first + n)]
+        head_rows = verify_rows + sample_tokens
+        if not head_rows:
+            return StepOutput(sampled, None, prompt_logprobs, {}, {})
+        # (a decode step whose rows are all sampled or all verified: no gather)
+        picked = hidden[:len(head_rows)] if head_rows == list(range(len(head_rows))) else \
+            hidden[host_tensor(head_rows, torch.long, hidden.device)]
+        all_logits = self.model.compute_logits(picked)
+        verified, verified_logprobs = self._verify(all_logits[:len(verify_rows)], spans, batch, grammars, compiler)
         if not sample_rows:
             return StepOutput(sampled, None, prompt_logprobs, verified, verified_logprobs)
-        logits = self.model.compute_logits(hidden[sample_tokens])
+        logits = all_logits[len(verify_rows):]
         rows = [
             SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.request_id)
             for seq in (batch.seqs[r] for r in sample_rows)
@@ -300,25 +310,29 @@ class ModelRunner:
         compiler.mask(logits, found, drafts, budgets)
         return own
 
-    def _verify(self, hidden: torch.Tensor, batch: ScheduledBatch, grammars: dict[str, Grammar] | None,
-                compiler: GrammarCompiler | None) -> tuple[dict[int, list[int]], dict[int, list[Logprob]]]:
-        """For each row with draft tokens (speculative decoding): a greedy row's own choice after its
-        last token and after each draft, k + 1 tokens (the greedy rows' in one read of the device); a
-        sampled row's accepted drafts and its next token (Sampler.verify_drafts), at most k + 1.
-        Then, for the rows that asked, each choice's log-probability and top-n at its position:
-        the tokens a row emits are the first of its choices (greedy: the drafts it accepts equal
-        its own choices)."""
+    @staticmethod
+    def _spans(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
+        """The verified spans of ``batch`` (speculative decoding: the rows with draft tokens), as
+        ``(batch row, first flat index, rows)``."""
         spans, first = [], 0
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            first += num_new
             if seq.num_draft_tokens:
-                spans.append((row, first - num_new, num_new))
+                spans.append((row, first, num_new))
+            first += num_new
+        return spans
+
+    def _verify(self, raw: torch.Tensor, spans: list[tuple[int, int, int]], batch: ScheduledBatch,
+                grammars: dict[str, Grammar] | None, compiler: GrammarCompiler | None
+                ) -> tuple[dict[int, list[int]], dict[int, list[Logprob]]]:
+        """For each verified span (``spans``, :meth:`_spans`; ``raw``: the logits of their rows, in
+        order): a greedy row's own choice after its last token and after each draft, k + 1 tokens
+        (the greedy rows' in one read of the device); a sampled row's accepted drafts and its next
+        token (Sampler.verify_drafts), at most k + 1. Then, for the rows that asked, each choice's
+        log-probability and top-n at its position: the tokens a row emits are the first of its
+        choices (greedy: the drafts it accepts equal its own choices)."""
         if not spans:
             return {}, {}
-        index = [i for _, f, n in spans for i in range(f, f + n)]
-        # (every row verified, a step of drafting sequences alone: no gather)
-        picked = hidden if len(index) == hidden.shape[0] else hidden[host_tensor(index, torch.long, hidden.device)]
-        logits = raw = self.model.compute_logits(picked)
+        logits = raw
         seqs = [batch.seqs[row] for row, _, _ in spans]
         # each position masked as a one-token step would mask it; own: for log-probabilities
         own = self._constrain(raw, seqs, grammars, compiler, [seq.draft_token_ids for seq in seqs])
