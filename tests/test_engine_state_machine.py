@@ -153,7 +153,10 @@ class EngineMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "engine"):
             return
-        for _ in range(2000):
+        # steps enough for what is left, at one token a step (max_batched_tokens can be 1), with room for
+        # preemptions' recomputes: a fixed 2000 failed a drain of ~80 requests at one token a step
+        left = sum(r.seq.num_prompt_tokens + r.seq.params.max_tokens for r in self.engine.requests.values())
+        for _ in range(2000 + 10 * left):
             if not self.engine.has_unfinished():
                 break
             self.engine.step()
