@@ -34,6 +34,13 @@ layers (with its final norm and head) as the draft model, drafting whatever the 
 estimate says (``draft_pass_cost`` 0), against speculation off, on the `edit` chats at one stream,
 alternating, median of --rounds. An untrained early exit guesses poorly: this shows what the
 machinery costs and accepts at the default model's size, not a speed-up a real draft model would give.
+
+``--where`` shows where a run's time goes, in this process: the `edit` chats off and on (alternating,
+--rounds, one stream running --requests in a row), each step timed, split into the steps that carry
+prompt work (prefill, which speculation leaves as it is) and the decode steps (tokens per step,
+drafts verified per step, milliseconds per step). The end-to-end ratio is the decode steps' ratio
+diluted by the prefill's share of the run: where prefill is slow against decode (the AVX2 profile's
+int8 arithmetic, a small model), the same decode speed-up gives a smaller end-to-end one.
 """
 
 from __future__ import annotations
@@ -180,6 +187,67 @@ def self_draft(layers: int, rounds: int, requests: int, prompt_tokens: int, outp
           f"{1 + d.num_accepted_tokens / max(d.num_verifications, 1):.2f} tokens per verification")
 
 
+def where_time(rounds: int, requests: int, streams: list[int], prompt_tokens: int, output_tokens: int) -> None:
+    import time
+
+    from llmd import LLM
+    from llmd.bench import run_bench_in_process
+
+    llm = LLM(prefix_cache=False)  # both modes run the same prompts: no hits on the other's
+    engine = llm.engine
+    step, record = engine.step, engine.meter.record
+    steps: list[tuple[float, int, int, int]] = []  # seconds, prompt tokens, tokens made, drafts verified
+    made: list[tuple[int, int]] = []
+
+    def recorded(start: float, num_prefill: int, num_decode: int) -> None:
+        made.append((num_prefill, num_decode))
+        record(start, num_prefill, num_decode)
+
+    def timed() -> list[Any]:
+        made.clear()
+        drafted, start = engine.num_draft_tokens, time.perf_counter()
+        deltas = step()
+        if made:
+            steps.append((time.perf_counter() - start, *made[0], engine.num_draft_tokens - drafted))
+        return deltas
+
+    engine.meter.record, engine.step = recorded, timed
+    print(cpu_profile.machine_line())
+    print(f"edit chats, ~{prompt_tokens} prompt tokens, at most {output_tokens} out; one stream: {requests} in a row; "
+          f"{rounds} rounds, off and ngram in turn; sums over the rounds")
+    print(f"{'streams':>7} {'mode':>5} | {'tok/s':>6} | {'prefill s':>9} {'share':>5} | {'decode s':>8} {'tok/s':>6} "
+          f"{'tok/step':>8} {'drafts/step':>11} {'ms/step':>7}")
+    for n in streams:
+        # by mode: run seconds, tokens; prefill steps' seconds; decode steps, their seconds, tokens, drafts
+        sums = {m: dict.fromkeys(("run_s", "tokens", "prefill_s", "steps", "decode_s", "tok", "drafts"), 0.0)
+                for m in ("off", "ngram")}
+        for rnd in range(rounds):
+            for mode in ("off", "ngram") if rnd % 2 == 0 else ("ngram", "off"):
+                engine.config.speculative = mode
+                for seed in [1000 * rnd + i for i in range(requests if n == 1 else 1)]:
+                    steps.clear()
+                    report = run_bench_in_process(llm, BenchConfig(workload="edit", num_streams=n, seed=seed,
+                                                                   prompt_tokens=prompt_tokens,
+                                                                   output_tokens=output_tokens)).report
+                    decode = [(t, tok, d) for t, prompt, tok, d in steps if not prompt]
+                    s = sums[mode]
+                    s["run_s"] += report.duration_s
+                    s["tokens"] += report.output_tokens
+                    s["prefill_s"] += sum(t for t, prompt, _, _ in steps if prompt)
+                    s["steps"] += len(decode)
+                    for key, values in zip(("decode_s", "tok", "drafts"), zip(*decode)):
+                        s[key] += sum(values)
+        for mode, s in sums.items():
+            steps_n = max(s["steps"], 1)
+            print(f"{n:>7} {mode:>5} | {s['tokens'] / s['run_s']:>6.1f} | {s['prefill_s']:>9.2f} "
+                  f"{100 * s['prefill_s'] / s['run_s']:>4.0f}% | {s['decode_s']:>8.2f} "
+                  f"{s['tok'] / s['decode_s']:>6.1f} "
+                  f"{s['tok'] / steps_n:>8.2f} {s['drafts'] / steps_n:>11.2f} {1000 * s['decode_s'] / steps_n:>7.1f}")
+        off, on = sums["off"], sums["ngram"]
+        print(f"{n:>7} ratio | {(on['tokens'] / on['run_s']) / (off['tokens'] / off['run_s']):>5.2f}x | decode steps "
+              f"{(on['tok'] / on['decode_s']) / (off['tok'] / off['decode_s']):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -191,11 +259,16 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--draft-model", default=None, help="compare --speculative draft with it (not ngram)")
     parser.add_argument("--worst-case", action="store_true", help="drafts always wrong, in this process")
+    parser.add_argument("--where", action="store_true",
+                        help="edit, off and on: prefill and decode steps, in this process")
     parser.add_argument("--self-draft", type=int, metavar="LAYERS",
                         help="the model's first LAYERS layers as its draft model, in this process")
     args = parser.parse_args()
     if args.worst_case:
         worst_case(args.rounds, args.output_tokens, args.streams)
+        return
+    if args.where:
+        where_time(args.rounds, args.requests, args.streams, args.edit_prompt_tokens, args.output_tokens)
         return
     if args.self_draft is not None:
         self_draft(args.self_draft, args.rounds, args.requests, args.edit_prompt_tokens, args.output_tokens)
