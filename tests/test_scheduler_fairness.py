@@ -342,6 +342,54 @@ def test_drafts_stay_within_a_paced_step(monkeypatch: pytest.MonkeyPatch) -> Non
     assert after == [100] * 3, f"the prompt done, drafts take the budget again: {after}"
 
 
+def two_decoding(num_blocks: int) -> tuple[Scheduler, Sequence, Sequence]:
+    """Two requests past their prompts in a pool of ``num_blocks`` blocks of 4 tokens, 2 blocks each:
+    a's next token (position 7) fits its second block, its drafts (from position 8) need a third;
+    b's next token (position 8) needs a third."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_batched_tokens=64)
+    a, b = add_all(sched, [make_seq("a", 7, owner="A", max_tokens=20), make_seq("b", 8, owner="B", max_tokens=20)])
+    assert step(sched) == {"a": 7, "b": 8}
+    return sched, a, b
+
+
+def test_drafts_never_take_the_block_another_sequence_needs() -> None:
+    """One sequence's drafts get blocks only after every running sequence has one for its own token:
+    with one block left, which b's next token needs, a's three drafts go unverified and nothing is
+    preempted. Canary: when draft slots were allocated with the sequences' own ones, a's drafts took
+    that block and b's token then preempted a, which recomputed its whole context."""
+    sched, a, b = two_decoding(num_blocks=5)
+    a.add_drafts([1, 2, 3])
+    batch = sched.schedule()
+    assert sched.num_preemptions == 0
+    assert {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)} == {"a": 1, "b": 1}
+    assert a.num_draft_tokens == 0 and len(a.block_ids) == 2 and len(b.block_ids) == 3
+    assert sched.kv.pool.num_free_blocks == 0
+
+
+def test_drafts_do_not_keep_a_waiting_prompt_out() -> None:
+    """A waiting prompt that fits beside the running sequences' own tokens is admitted, however many
+    drafts they carry (which get what is left: none here). Canary: with draft slots allocated before
+    admission, a's drafts took a block of the two c needs, and c waited while a verified them."""
+    sched, a, b = two_decoding(num_blocks=7)  # a 2, b 3 with its token: 2 left, c's 8 tokens need 2
+    c = add_all(sched, [make_seq("c", 8, owner="C")])[0]
+    a.add_drafts([1, 2, 3])
+    batch = sched.schedule()
+    assert {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)} == {"a": 1, "b": 1, "c": 8}
+    assert sched.num_preemptions == 0 and a.num_draft_tokens == 0 and c.status is SequenceStatus.RUNNING
+
+
+def test_drafts_take_the_blocks_that_are_left() -> None:
+    """With blocks to spare, drafts are verified, as many as fit: one free block beside b's takes a's
+    drafts at positions 8-11 (4 of 7); two take all 7."""
+    for num_blocks, kept in ((6, 4), (7, 7)):
+        sched, a, b = two_decoding(num_blocks=num_blocks)
+        a.add_drafts(list(range(1, 8)))
+        batch = sched.schedule()
+        grants = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)}
+        assert grants == {"a": 1 + kept, "b": 1} and a.num_draft_tokens == kept, (num_blocks, grants)
+        assert sched.num_preemptions == 0 and len(a.block_ids) == -(-(7 + 1 + kept) // 4)
+
+
 @pytest.mark.parametrize("name", ["step_seconds", "lone_step_seconds"])
 @pytest.mark.parametrize("bad", [0, -0.5, True, "0.2"])
 def test_step_seconds_are_checked(name: str, bad: Any) -> None:

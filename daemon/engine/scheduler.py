@@ -202,6 +202,9 @@ class Scheduler:
         for row in drafted:
             seq = batch.seqs[row]
             keep = min(seq.num_draft_tokens, left)
+            # their slots too come last, from the blocks the pool has left: as many drafts as fit
+            while keep and self.kv.allocate_slots(seq, 1 + keep) is None:
+                keep -= 1
             if keep < seq.num_draft_tokens:
                 seq.truncate_drafts(keep)
                 self.kv.trim(seq)
@@ -300,13 +303,13 @@ class Scheduler:
     def _make_room(self) -> bool:
         """Give every running sequence the blocks for its uncomputed tokens (a prompt has them
         since admission; a decode may need one), preempting when the pool is dry. Returns
-        whether anything was preempted."""
+        whether anything was preempted. Draft tokens are left out: they get blocks in
+        :meth:`schedule`, from what prompt work and admission leave (a draft's block taken here
+        preempted another sequence for its own token, or kept a waiting prompt out)."""
         preempted = False
         for seq in list(self.running):
-            while seq.status is SequenceStatus.RUNNING and self.kv.allocate_slots(seq, _num_left(seq)) is None:
-                if seq.num_draft_tokens:  # drafts are never worth a preemption
-                    self._drop_drafts(seq)
-                    continue
+            while (seq.status is SequenceStatus.RUNNING
+                   and self.kv.allocate_slots(seq, _num_left(seq) - seq.num_draft_tokens) is None):
                 victim = self._pick_victim()
                 self.running.remove(victim)
                 self._preempt(victim)
