@@ -203,6 +203,39 @@ def test_stops_inside_accepted_drafts_are_exact(model_dir) -> None:
         assert engine.kv.pool.num_free_blocks == engine.num_blocks
 
 
+def test_tokens_a_stop_cuts_from_accepted_drafts_are_not_counted(model_dir, monkeypatch) -> None:
+    """A stop token among accepted drafts ends the output there; the drafts after it were right but
+    are not output, so neither the tokens generated (stats, throughput) nor the accepted drafts count
+    them. Canary: counted before the stop was applied, this request of 3 tokens reported 5 generated
+    and 3 drafts accepted in 1 verification."""
+    import llmd.daemon.engine.engine as engine_module
+
+    prompt = list(range(5, 13))
+    off = run_engine(make_engine(model_dir, speculative="off"),
+                     [(0, "r", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))])["r"]
+    stop = next(i for i in range(2, len(off)) if off[i] not in off[:i])  # the first token not seen before
+
+    def right(tokens, k: int) -> tuple[list[int], int]:  # drafts that are the model's own continuation
+        done = len(tokens) - len(prompt)
+        return off[done:done + k], 4
+
+    monkeypatch.setattr(engine_module, "lookup", right)
+    monkeypatch.setattr(engine_module, "draft_cost", lambda num_seqs: 0.01)
+    engine = make_engine(model_dir, speculative="ngram")
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                   stop_token_ids=[off[stop]]))
+    out, metrics = [], None
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out += delta.token_ids
+            metrics = delta.metrics if delta.finished else metrics
+    assert out == off[:stop + 1] and metrics.num_verifications >= 1
+    assert metrics.num_draft_tokens > metrics.num_accepted_draft_tokens  # the cut drafts: tried, not kept
+    assert engine.stats().num_generated_tokens_total == len(out) == metrics.num_generated_tokens
+    assert metrics.num_accepted_draft_tokens + metrics.num_verifications <= len(out)
+    assert engine.stats().num_accepted_draft_tokens_total == metrics.num_accepted_draft_tokens
+
+
 def test_prompt_log_probabilities_do_not_speculate(model_dir) -> None:
     engine = make_engine(model_dir, speculative="ngram")
     run_engine(engine, [(0, "l", repetitive(3), SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=20))])

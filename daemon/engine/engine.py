@@ -394,7 +394,6 @@ class LLMEngine:
             if req is not None:
                 req.prompt_logprobs[first:first + len(scored)] = scored
         self.scheduler.update(batch, sampled)
-        self.meter.record(start, num_prompt, sum(t is not None for t in sampled) + sum(map(len, accepted.values())))
         logprobs = iter(result.logprobs if result is not None else ())
         deltas = []
         for row, (seq, token) in enumerate(zip(batch.seqs, sampled)):
@@ -410,6 +409,8 @@ class LLMEngine:
                 continue
             tokens = [*accepted.get(row, []), token]
             deltas.append(self._emit(req, tokens, lps[:len(tokens)]))
+        # the tokens output: not those a stop among accepted drafts cut off, nor an aborted request's
+        self.meter.record(start, num_prompt, sum(len(d.token_ids) for d in deltas))
         return deltas
 
     def _draft(self) -> None:
@@ -491,6 +492,10 @@ class LLMEngine:
                 if extra > 0:
                     del seq.token_ids[len(seq.token_ids) - extra:]
                     del seq.timings.token_times[len(seq.timings.token_times) - extra:]
+                    # all of them but the model's own last token were accepted drafts: right, but
+                    # never output, so not counted (acceptance stays within the tokens made)
+                    seq.num_drafts_accepted -= extra - 1
+                    self.num_accepted_tokens -= extra - 1
                 tokens, logprobs = tokens[:i + 1], logprobs[:i + 1]
                 self.scheduler.finish(seq, reason)
                 break
