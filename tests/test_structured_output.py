@@ -232,6 +232,41 @@ def test_constrained_requests_speculate_to_the_same_output(model_dir, temperatur
         assert len(json.loads(text)) == 12
 
 
+@pytest.mark.parametrize("max_tokens", [15, 16, 17, 18])
+def test_drafts_that_lengthen_the_closing_plan_still_close(model_dir, monkeypatch, max_tokens: int) -> None:
+    """Each verified position is masked by the budget left there: drafts that open what must be closed
+    (here ``x``, each wanting a ``b``) can make the closing plan fall due inside a span, where the
+    room reckoned before them did not see it. The output is then what one token at a time gives:
+    ``x``s, ``c``, as many ``b``s, ended by the budget (``length``). Served CPU path (INT4, native
+    attention), where a lone sequence drafts up to 7. Canary: with only the span's first position
+    masked by the budget, drafts of ``x`` ran on and the output was cut mid-grammar (9 ``x``s, 5
+    ``b``s at 15 tokens), at every budget here."""
+    import llmd.daemon.engine.engine as engine_module
+    from llmd.daemon.attention import CpuAttentionBackend
+    from llmd.daemon.quantization import QuantConfig
+
+    fmt = {"type": "grammar", "grammar": 'root ::= "x" root "b" | "c"'}
+
+    def run(speculative: str) -> tuple[str, str | None]:
+        engine = make_engine(model_dir, speculative=speculative, attention=CpuAttentionBackend(),
+                             quant=QuantConfig("int4"))
+        x = engine.tokenizer.encode("x")[0]
+        monkeypatch.setattr(engine_module, "lookup", lambda tokens, k: ([x] * k, 4))  # a prompt full of x
+        engine.add_request("r", engine.tokenizer.encode("hello world"),
+                           SamplingParams(temperature=0, max_tokens=max_tokens, response_format=fmt))
+        text, reason = "", None
+        while engine.has_unfinished():
+            for delta in engine.step():
+                text, reason = text + delta.text, delta.finish_reason or reason
+        assert speculative == "off" or engine.num_accepted_tokens > 0
+        return text, reason
+
+    off, on = run("off"), run("ngram")
+    opened, closed = re.fullmatch(r"(x*)c(b*)", off[0]).groups()
+    assert len(opened) == len(closed) > 0 and off[1] == "length"
+    assert on == off
+
+
 def test_a_draft_that_ends_the_output_is_not_verified(model_dir) -> None:
     """An end-of-sequence draft would leave the positions after it without a mask (xgrammar refuses
     a finished matcher's mask): drafts stop before it. Prompts that hold the end token (a chat

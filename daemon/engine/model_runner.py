@@ -334,8 +334,12 @@ class ModelRunner:
             return {}, {}
         logits = raw
         seqs = [batch.seqs[row] for row, _, _ in spans]
-        # each position masked as a one-token step would mask it; own: for log-probabilities
-        own = self._constrain(raw, seqs, grammars, compiler, [seq.draft_token_ids for seq in seqs])
+        # each position masked as a one-token step would mask it, by the tokens the row may still emit
+        # there (run()'s budgets; the drafts, in the token ids already, not yet emitted); own: for
+        # log-probabilities
+        budgets = [min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+                   + seq.num_draft_tokens for seq in seqs] if grammars else None
+        own = self._constrain(raw, seqs, grammars, compiler, [seq.draft_token_ids for seq in seqs], budgets)
         # Penalties, position by position: after the i-th draft, the output as it would be had the
         # row emitted the drafts before it one token at a time (their own counts, from the lists).
         at = 0

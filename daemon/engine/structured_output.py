@@ -124,6 +124,10 @@ class Grammar:
         self._matcher, self._closer = matcher, closer
         self.closing = False  # the row follows its plan to the end: the budget, not the model, ends it
         self._no_plan = False  # no plan was found within the search's bound: not sought again
+        # a verified span's (fill_masks): the position its plan fell due at, past the first (None:
+        # not in it), and the tokens accepted since, so closing starts when that position's token is
+        self._closing_at: int | None = None
+        self._span_accepted = 0
 
     def fill_mask(self, bitmask: torch.Tensor, row: int, budget: int | None = None) -> None:
         """Row ``row`` of ``bitmask``: the tokens that may come next; with ``budget`` (the tokens the
@@ -168,7 +172,12 @@ class Grammar:
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False if the grammar does not allow it (nothing changes then)."""
-        return self._matcher.accept_token(token)
+        if not self._matcher.accept_token(token):
+            return False
+        self._span_accepted += 1
+        if self._closing_at is not None and self._span_accepted > self._closing_at:
+            self.closing = True  # the token of the span position its plan fell due at
+        return True
 
     @property
     def is_terminated(self) -> bool:
@@ -194,16 +203,25 @@ class Grammar:
     def fill_masks(self, bitmask: torch.Tensor, row: int, draft: list[int], budget: int | None = None) -> None:
         """Rows ``row .. row + len(draft)`` of ``bitmask``: what may come next now (by ``budget``:
         fill_mask), and after each of ``draft``'s tokens (a verified span's positions; the drafts are
-        valid, valid_prefix, and end before any closing: draft_room); the matcher is left as it was."""
+        valid, valid_prefix), each by what the budget leaves there, as one token at a time would mask
+        it: drafts that lengthen the closing plan (an opener each wants a closer) can make it due
+        inside the span, where draft_room, reckoned before them, did not see it. The matcher is left
+        as it was, and the closing state as the first position leaves it: a later position's holds
+        only if its token is accepted (accept)."""
         self.fill_mask(bitmask, row, budget)
+        closing, no_plan = self.closing, self._no_plan
+        self._closing_at, self._span_accepted = None, 0
         taken = 0
         for i, token in enumerate(draft):
             if not self._matcher.accept_token(token):
                 break  # (valid_prefix cut the drafts: not reached) the later rows stay as they were
             taken += 1
-            self.fill_mask(bitmask, row + i + 1)
+            self.fill_mask(bitmask, row + i + 1, None if budget is None else budget - i - 1)
+            if self.closing and not closing and self._closing_at is None:
+                self._closing_at = i + 1
         if taken:
             self._matcher.rollback(taken)
+        self.closing, self._no_plan = closing, no_plan
 
 
 class GrammarCompiler:
