@@ -136,6 +136,32 @@ def test_a_full_draft_pool_skips_drafts_and_loses_nothing(dirs) -> None:
     assert drafter.pool.num_free_blocks == 14
 
 
+def test_the_draft_model_waits_while_a_prompt_takes_the_budget(dirs) -> None:
+    """The draft model's passes come before the step is scheduled: while a new request's prompt will
+    take the step's budget (its chunk comes before any drafts), they would be thrown away, so the
+    step carrying that prompt runs none; once the prompt is in, drafting resumes. Canary: the draft
+    model ran 3 passes in that step, and none of their drafts were verified."""
+    engine = drafting_engine(dirs, max_batched_tokens=8)
+    engine.add_request("a", list(range(10, 22)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens < 3:
+        engine.step()
+    passes: list[int] = []
+    forward = engine.drafter._forward
+    engine.drafter._forward = lambda rows, sample: (passes.append(len(rows)), forward(rows, sample))[1]
+    engine.add_request("b", list(range(100, 160)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert engine.scheduler.room_for_drafts() == 0
+    engine.step()  # a's token and 7 of b's prompt
+    assert passes == [] and engine.scheduler.running[1].num_computed_tokens == 7
+    while engine.scheduler.running[1].num_computed_tokens < 60:
+        engine.step()
+    verified = engine.num_draft_tokens
+    engine.step()  # b's prompt done: a drafts again
+    assert passes and engine.num_draft_tokens > verified
+    while engine.has_unfinished():
+        engine.step()
+    assert_nothing_held(engine)
+
+
 def test_drafts_are_the_draft_model_s_greedy_continuation(dirs) -> None:
     """What the draft model proposes is its own greedy output, through rollbacks: each step's drafts
     equal transformers' greedy continuation of the draft model from the sequence's tokens."""

@@ -419,6 +419,10 @@ class LLMEngine:
         # model adds one of its passes per token
         cost = draft_cost(len(self.scheduler.running)) + self.draft_pass_cost
         limit = draft_limit(self.rows_per_pass, len(self.scheduler.running))  # prompt lookup's, this step
+        # The draft model's passes run before the step is scheduled: not when prompt work will take
+        # the budget and drop the drafts they made, slowing the step that carries another request's
+        # first token for nothing. (Prompt lookup costs next to nothing; its drafts get what is left.)
+        model_drafts = self.scheduler.room_for_drafts() > 0
         wants: list[tuple[Sequence, int]] = []  # the draft model's: sequences and how many tokens
         found: list[tuple[Sequence, list[int]]] = []  # prompt lookup's: sequences and their drafts
         for seq in self.scheduler.running:
@@ -438,7 +442,7 @@ class LLMEngine:
                 draft, match = lookup(req.history.view(seq.token_ids), min(room, limit))
                 if (k := req.drafts.next(match, cost) if draft else 0) > 0:
                     found.append((seq, draft[:k]))
-            elif (k := min(req.drafts.next(cost), room)) > 0:
+            elif model_drafts and (k := min(req.drafts.next(cost), room)) > 0:
                 wants.append((seq, k))
         if wants:
             found += zip([seq for seq, _ in wants], self.drafter.propose(wants))

@@ -216,6 +216,17 @@ class Scheduler:
         self._scheduled_at = time.monotonic()
         return batch
 
+    def room_for_drafts(self) -> int:
+        """About how many draft tokens the next step could verify, as :meth:`schedule` will share
+        its budget: what is left after the running sequences' own tokens and, paced, the prompt work
+        (unfinished prompts, and waiting ones while a seat is free; prefix-cache hits not counted)."""
+        decodes = sum(1 for seq in self.running if _is_decode(seq))
+        prompts = sum(_num_left(seq) for seq in self.running if not _is_decode(seq))
+        if len(self.running) < self.config.max_num_seqs:
+            prompts += sum(_num_left(seq) for seq in self.waiting)
+        budget = max(0, self.config.max_batched_tokens - decodes)
+        return budget if not prompts else max(0, min(budget, self._paced_tokens()) - prompts)
+
     def _paced_tokens(self) -> int:
         """The prompt tokens the next step may take to end in time (module docstring)."""
         cfg = self.config
