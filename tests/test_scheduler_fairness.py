@@ -390,6 +390,25 @@ def test_drafts_take_the_blocks_that_are_left() -> None:
         assert sched.num_preemptions == 0 and len(a.block_ids) == -(-(7 + 1 + kept) // 4)
 
 
+def test_room_for_drafts_is_what_the_step_leaves_them() -> None:
+    """The draft model drafts before a step only if the step will have room for drafts: none while a
+    prompt that admission will take fills the budget; the whole rest while a prompt waits that does
+    not fit the pool (its blocks come back as the running sequences end, which drafts speed up)."""
+    sched, a, b = two_decoding(num_blocks=7)  # 2 blocks free once b has its third
+    assert sched.room_for_drafts() == 64 - 2
+    fits = add_all(sched, [make_seq("c", 8, owner="C")])[0]  # 2 blocks: admitted
+    assert sched.room_for_drafts() == 64 - 2 - 8
+    long = add_all(sched, [make_seq("d", 70, owner="D")])[0]  # 18 blocks: waits
+    assert sched.room_for_drafts() == 64 - 2 - 8
+    a.add_drafts([1, 2, 3])
+    batch = sched.schedule()
+    assert {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)} == {"a": 1, "b": 1, "c": 8}
+    assert fits.status is SequenceStatus.RUNNING and long.status is SequenceStatus.WAITING
+    big = make_scheduler(num_blocks=4096, block_size=4, max_batched_tokens=64)
+    add_all(big, [make_seq("e", 100, owner="E")])
+    assert big.room_for_drafts() == 0  # a prompt that fits and fills the budget
+
+
 @pytest.mark.parametrize("name", ["step_seconds", "lone_step_seconds"])
 @pytest.mark.parametrize("bad", [0, -0.5, True, "0.2"])
 def test_step_seconds_are_checked(name: str, bad: Any) -> None:

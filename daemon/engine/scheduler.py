@@ -218,12 +218,17 @@ class Scheduler:
 
     def room_for_drafts(self) -> int:
         """About how many draft tokens the next step could verify, as :meth:`schedule` will share
-        its budget: what is left after the running sequences' own tokens and, paced, the prompt work
-        (unfinished prompts, and waiting ones while a seat is free; prefix-cache hits not counted)."""
+        its budget: what is left after the running sequences' own tokens and, paced, the prompt work:
+        unfinished prompts, and the waiting ones admission would take (a seat free, their blocks in
+        the pool, prefix-cache hits not counted, not held back behind a blocker). A prompt waiting
+        for blocks takes nothing from the drafts, which speed the sequences whose end frees them."""
         decodes = sum(1 for seq in self.running if _is_decode(seq))
         prompts = sum(_num_left(seq) for seq in self.running if not _is_decode(seq))
-        if len(self.running) < self.config.max_num_seqs:
-            prompts += sum(_num_left(seq) for seq in self.waiting)
+        seats, free, blocker = self.config.max_num_seqs - len(self.running), self.kv.pool.num_free_blocks, self._blocker
+        for seq in sorted(self.waiting, key=_place):
+            need = -(-_num_left(seq) // self.kv.block_size)
+            if seats and need <= free and (blocker is None or seq is blocker or seq.priority > blocker.priority):
+                prompts, seats, free = prompts + _num_left(seq), seats - 1, free - need
         budget = max(0, self.config.max_batched_tokens - decodes)
         return budget if not prompts else max(0, min(budget, self._paced_tokens()) - prompts)
 
