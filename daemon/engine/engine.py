@@ -422,7 +422,7 @@ class LLMEngine:
         # The draft model's passes run before the step is scheduled: not when prompt work will take
         # the budget and drop the drafts they made, slowing the step that carries another request's
         # first token for nothing. (Prompt lookup costs next to nothing; its drafts get what is left.)
-        model_drafts = self.scheduler.room_for_drafts() > 0
+        model_room = self.scheduler.room_for_drafts()
         wants: list[tuple[Sequence, int]] = []  # the draft model's: sequences and how many tokens
         found: list[tuple[Sequence, list[int]]] = []  # prompt lookup's: sequences and their drafts
         for seq in self.scheduler.running:
@@ -442,8 +442,8 @@ class LLMEngine:
                 draft, match = lookup(req.history.view(seq.token_ids), min(room, limit))
                 if (k := req.drafts.next(match, cost) if draft else 0) > 0:
                     found.append((seq, draft[:k]))
-            elif model_drafts and (k := min(req.drafts.next(cost), room)) > 0:
-                wants.append((seq, k))
+            elif model_room and (k := min(req.drafts.next(cost), room, model_room)) > 0:
+                wants.append((seq, k))  # (no more passes than the step has room for drafts)
         if wants:
             found += zip([seq for seq, _ in wants], self.drafter.propose(wants))
         for seq, draft in found:
