@@ -422,7 +422,7 @@ class LLMEngine:
         # The draft model's passes run before the step is scheduled: not when prompt work will take
         # the budget and drop the drafts they made, slowing the step that carries another request's
         # first token for nothing. (Prompt lookup costs next to nothing; its drafts get what is left.)
-        model_room = self.scheduler.room_for_drafts()
+        model_room = self.scheduler.room_for_drafts() if self.drafter is not None else 0
         wants: list[tuple[Sequence, int]] = []  # the draft model's: sequences and how many tokens
         found: list[tuple[Sequence, list[int]]] = []  # prompt lookup's: sequences and their drafts
         for seq in self.scheduler.running:
@@ -430,7 +430,7 @@ class LLMEngine:
             if req is None or req.drafts is None or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             # the drafts and the model's own token stay within max_tokens and the context
-            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            room = seq.tokens_left(self.max_model_len) - 1
             grammar = self._grammars.get(seq.request_id)
             if grammar is not None:  # a constrained row's drafts end before its closing (structured_output)
                 room = min(room, grammar.draft_room(room + 1))

@@ -286,8 +286,7 @@ class ModelRunner:
         ]
         seqs = [batch.seqs[r] for r in sample_rows]
         # the tokens each row may still emit, this one included: a constrained row closes within them
-        budgets = [min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-                   for seq in seqs] if grammars else None
+        budgets = [seq.tokens_left(self.max_model_len) for seq in seqs] if grammars else None
         own = self._constrain(logits, seqs, grammars, compiler, budgets=budgets) if grammars else None
         result = self.sampler(logits, rows, own)
         for row, token in zip(sample_rows, result.token_ids):
@@ -335,10 +334,8 @@ class ModelRunner:
         logits = raw
         seqs = [batch.seqs[row] for row, _, _ in spans]
         # each position masked as a one-token step would mask it, by the tokens the row may still emit
-        # there (run()'s budgets; the drafts, in the token ids already, not yet emitted); own: for
-        # log-probabilities
-        budgets = [min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-                   + seq.num_draft_tokens for seq in seqs] if grammars else None
+        # there (as run()'s; the first position's, Sequence.tokens_left); own: for log-probabilities
+        budgets = [seq.tokens_left(self.max_model_len) for seq in seqs] if grammars else None
         own = self._constrain(raw, seqs, grammars, compiler, [seq.draft_token_ids for seq in seqs], budgets)
         # Penalties, position by position: after the i-th draft, the output as it would be had the
         # row emitted the drafts before it one token at a time (their own counts, from the lists).

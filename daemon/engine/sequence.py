@@ -108,6 +108,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """The tokens it may still emit, its next one included, within max_tokens and a context of
+        ``max_model_len``; drafts not yet verified count as not emitted."""
+        emitted = self.num_tokens - self.num_draft_tokens
+        return min(self.params.max_tokens - (emitted - len(self.prompt_token_ids)), max_model_len - emitted)
+
     @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []
