@@ -394,19 +394,41 @@ def test_room_for_drafts_is_what_the_step_leaves_them() -> None:
     """The draft model drafts before a step only if the step will have room for drafts: none while a
     prompt that admission will take fills the budget; the whole rest while a prompt waits that does
     not fit the pool (its blocks come back as the running sequences end, which drafts speed up)."""
-    sched, a, b = two_decoding(num_blocks=7)  # 2 blocks free once b has its third
+    sched, a, b = two_decoding(num_blocks=64)  # 59 blocks free once b has its third: slots to spare
     assert sched.room_for_drafts() == 64 - 2
     fits = add_all(sched, [make_seq("c", 8, owner="C")])[0]  # 2 blocks: admitted
     assert sched.room_for_drafts() == 64 - 2 - 8
-    long = add_all(sched, [make_seq("d", 70, owner="D")])[0]  # 18 blocks: waits
+    long = add_all(sched, [make_seq("d", 300, owner="D")])[0]  # 75 blocks: waits
     assert sched.room_for_drafts() == 64 - 2 - 8
     a.add_drafts([1, 2, 3])
     batch = sched.schedule()
-    assert {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)} == {"a": 1, "b": 1, "c": 8}
+    assert {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)} == {"a": 4, "b": 1, "c": 8}
     assert fits.status is SequenceStatus.RUNNING and long.status is SequenceStatus.WAITING
     big = make_scheduler(num_blocks=4096, block_size=4, max_batched_tokens=64)
     add_all(big, [make_seq("e", 100, owner="E")])
     assert big.room_for_drafts() == 0  # a prompt that fits and fills the budget
+
+
+def test_room_for_drafts_is_capped_by_the_slots_drafts_would_get() -> None:
+    """Drafts get KV slots last (schedule), so the room counts only the slots left past the
+    sequences' own tokens and admission: a's blocks are full at its next token, b's third block
+    (which its next token takes) has 3 slots past it, and each free block 4 more; a waiting prompt
+    admission takes, its blocks. Canary: the room was the token budget's alone (62 in every case),
+    so with the pool dry a draft model still ran its passes for drafts that got no slots."""
+    for num_blocks, room in ((5, 3), (6, 7), (7, 11)):
+        sched, a, b = two_decoding(num_blocks=num_blocks)
+        assert sched.room_for_drafts() == room, num_blocks
+        a.add_drafts([1, 2, 3, 4, 5, 6, 7])
+        b.add_drafts([1, 2, 3])
+        batch = sched.schedule()
+        assert batch.num_tokens - 2 == min(room, 10) and sched.num_preemptions == 0, num_blocks
+    sched, a, b = two_decoding(num_blocks=7)
+    add_all(sched, [make_seq("c", 8, owner="C")])  # takes the 2 free blocks at admission
+    assert sched.room_for_drafts() == 3
+    one = make_scheduler(num_blocks=2, block_size=4, max_batched_tokens=64)
+    add_all(one, [make_seq("x", 7, max_tokens=20)])
+    step(one)  # its next token fills its second block, the last
+    assert one.room_for_drafts() == 0
 
 
 @pytest.mark.parametrize("name", ["step_seconds", "lone_step_seconds"])

@@ -221,16 +221,29 @@ class Scheduler:
         its budget: what is left after the running sequences' own tokens and, paced, the prompt work:
         unfinished prompts, and the waiting ones admission would take (a seat free, their blocks in
         the pool, prefix-cache hits not counted, not held back behind a blocker). A prompt waiting
-        for blocks takes nothing from the drafts, which speed the sequences whose end frees them."""
-        decodes = sum(1 for seq in self.running if _is_decode(seq))
+        for blocks takes nothing from the drafts, which speed the sequences whose end frees them.
+
+        Drafts also need KV slots, which :meth:`schedule` gives them last, so the room is capped by
+        the slots left in the decoding sequences' blocks past their own tokens and in the blocks the
+        pool keeps after those tokens' and admission's: with the pool dry, a draft model's passes
+        made drafts that got no slots. (The cap is the step's, not each sequence's.)"""
+        bs = self.kv.block_size
+        decodes, slack, own_blocks = 0, 0, 0
+        for seq in self.running:
+            if _is_decode(seq):
+                spare = len(seq.block_ids) * bs - (seq.num_computed_tokens + 1)  # slots past its own token
+                need = -(-max(-spare, 0) // bs)  # blocks its own token takes first (_make_room)
+                decodes, slack, own_blocks = decodes + 1, slack + spare + need * bs, own_blocks + need
         prompts = sum(_num_left(seq) for seq in self.running if not _is_decode(seq))
-        seats, free, blocker = self.config.max_num_seqs - len(self.running), self.kv.pool.num_free_blocks, self._blocker
+        seats, blocker = self.config.max_num_seqs - len(self.running), self._blocker
+        free = self.kv.pool.num_free_blocks - own_blocks
         for seq in sorted(self.waiting, key=_place):
-            need = -(-_num_left(seq) // self.kv.block_size)
+            need = -(-_num_left(seq) // bs)
             if seats and need <= free and (blocker is None or seq is blocker or seq.priority > blocker.priority):
                 prompts, seats, free = prompts + _num_left(seq), seats - 1, free - need
         budget = max(0, self.config.max_batched_tokens - decodes)
-        return budget if not prompts else max(0, min(budget, self._paced_tokens()) - prompts)
+        room = budget if not prompts else max(0, min(budget, self._paced_tokens()) - prompts)
+        return min(room, slack + max(free, 0) * bs)
 
     def _paced_tokens(self) -> int:
         """The prompt tokens the next step may take to end in time (module docstring)."""
