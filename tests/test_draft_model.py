@@ -113,6 +113,59 @@ def test_a_long_prompt_is_caught_up_in_pieces(dirs) -> None:
     assert_nothing_held(engine)
 
 
+def test_catch_up_is_bounded_per_step_and_drafting_sequences_go_first(dirs) -> None:
+    """The draft model brings in at most ``max_chunk`` tokens a step for all sequences together (and
+    at most ``catch_up`` when the engine gives less), the sequences a few tokens behind first: they
+    draft, and a new prompt takes what is left. Canary: each sequence had its own ``max_chunk``, so
+    new prompts arriving together put all of theirs in one step, and a sequence listed after a new
+    prompt could find the step's catch-up spent."""
+    draft = load_model(resolve_model(dirs["near"])).model
+    drafter = DraftModel(draft, block_size=4, num_blocks=256, vocab_size=draft.config.vocab_size, max_chunk=16)
+    passes: list[list[int]] = []
+    forward = drafter._forward
+    drafter._forward = lambda rows, sample: passes.append([len(new) for _, new in rows]) or forward(rows, sample)
+
+    class Seq:
+        def __init__(self, rid: str, tokens: list[int]) -> None:
+            self.request_id, self.token_ids = rid, tokens
+
+    a = Seq("a", repetitive(1, 20))
+    assert drafter.propose([(a, 3)]) == [[]] and passes == [[16]]  # caught up 16 of 20: no draft yet
+    assert [len(d) for d in drafter.propose([(a, 3)])] == [3]  # the last 4, then its drafts
+    a.token_ids = a.token_ids + [7, 8]  # a token accepted, one of the model's own
+    b, c = Seq("b", repetitive(2, 30)), Seq("c", repetitive(3, 30))  # new prompts, listed first
+    passes.clear()
+    drafts = drafter.propose([(b, 3), (c, 3), (a, 3)])
+    assert [len(d) for d in drafts] == [0, 0, 3] and passes[0] == [2, 14]  # a's 2 first; 14 of b's; none of c's
+    passes.clear()
+    assert drafter.propose([(b, 3), (c, 3)], catch_up=5) == [[], []] and passes == [[5]]
+    assert drafter.propose([(b, 3)], catch_up=0) == [[]] and passes == [[5]]  # nothing brought in
+    for rid in "abc":
+        drafter.release(rid)
+    assert drafter.pool.num_free_blocks == 256
+
+
+def test_the_engine_bounds_catch_up_by_the_step_s_room(dirs) -> None:
+    """The draft model's catch-up runs in the step's time: the engine lets it bring in what the
+    step's room for drafts would cost in its own tokens (room / draft_pass_cost), so a step carrying
+    another request's prompt chunk is not stretched by a new sequence's catch-up beside it."""
+    engine = drafting_engine(dirs, max_batched_tokens=64)
+    engine.draft_pass_cost = 0.25
+    seen: list[tuple[int, int | None]] = []
+    propose = engine.drafter.propose
+
+    def recorded(wants, catch_up=None):
+        seen.append((engine.scheduler.room_for_drafts(), catch_up))
+        propose(wants, catch_up)
+        return [[] for _ in wants]  # nothing verified: a keeps wanting drafts whatever the tiny draft says
+
+    engine.drafter.propose = recorded
+    run_engine(engine, [(0, "a", repetitive(1, 40), GREEDY), (3, "b", repetitive(2, 20), GREEDY)])
+    assert seen and all(catch_up == int(room / 0.25) for room, catch_up in seen)
+    assert (64 - 1 - 20, (64 - 1 - 20) * 4) in seen  # the step with b's prompt beside a's token: less room
+    assert_nothing_held(engine)
+
+
 def test_a_full_draft_pool_skips_drafts_and_loses_nothing(dirs) -> None:
     """The draft model's pool is too small for every sequence: those that do not fit decode without
     drafts (the others' blocks are taken back first), and nothing fails."""

@@ -15,8 +15,10 @@ whose K/V it holds; before drafting it brings them up to the sequence's tokens:
   of the draft model, batched across sequences (a decode step of the small model, on the CPU its
   fused native step).
 
-A prompt longer than ``max_chunk`` is caught up ``max_chunk`` tokens per step without drafting, so a
-long new prompt never stalls the step that carries other sequences' tokens. When the pool runs
+The tokens caught up in one step, all sequences together, are at most ``max_chunk`` (and what the
+engine's ``catch_up`` allows: the step's room for drafts, in the draft model's tokens): a sequence
+whose tokens are not all caught up does not draft this step, so new long prompts never stall the step
+that carries other sequences' tokens (another request's first one among them). When the pool runs
 short, sequences not drafting now give their blocks back first; a sequence that still does not fit
 is not drafted this step (it decodes one token at a time), never an error.
 """
@@ -66,7 +68,7 @@ class DraftModel:
         block_size: tokens per block of its cache.
         num_blocks: blocks in its pool (the engine gives the target's count: the same tokens).
         vocab_size: the target's vocabulary; drafts are its ids (a draft head padded wider is cut).
-        max_chunk: tokens of a sequence caught up per step before it drafts.
+        max_chunk: tokens caught up per step (all sequences together) before they draft.
         cache_dtype: its KV cache's (default the model's; llmd.kernels.kv_format).
     """
 
@@ -112,12 +114,15 @@ class DraftModel:
         """The blocks the sequences hold, each once per holder (tests check them against the pool)."""
         return [b.block_id for held in self._held.values() for b in held.blocks]
 
-    def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+    def propose(self, wants: list[tuple[Sequence, int]], catch_up: int | None = None) -> list[list[int]]:
         """Up to ``k`` draft tokens for each ``(sequence, k)``, in order (an empty list where it could
-        not draft this step)."""
+        not draft this step); ``catch_up``: the most tokens to bring in this step, all sequences
+        together, if fewer than ``max_chunk``."""
         drafts: list[list[int]] = [[] for _ in wants]
+        left = self.max_chunk if catch_up is None else max(0, min(self.max_chunk, catch_up))
         rows: list[tuple[int, _Held, list[int]]] = []  # (index in wants, held, its new tokens)
         drafting = {seq.request_id for seq, _ in wants}
+        behind: list[tuple[int, int, _Held]] = []  # (tokens to bring in, index in wants, held)
         for i, (seq, k) in enumerate(wants):
             tokens = seq.token_ids
             if len(tokens) + k - 1 > self.max_len:  # past the draft model's context: it cannot draft here
@@ -127,14 +132,21 @@ class DraftModel:
             keep = _common_prefix(held.tokens, tokens)
             if keep == len(tokens):  # the newest token held already (cannot happen with exact verification)
                 keep -= 1
-            new = tokens[keep:keep + self.max_chunk]
-            catching_up = keep + len(new) < len(tokens)
+            del held.tokens[keep:]  # (only the count: the rejected tail's slots are overwritten)
+            behind.append((len(tokens) - keep, i, held))
+        # the fewest first: sequences a few tokens behind (the accepted drafts and the target's own
+        # token) draft this step, before a new prompt's catch-up takes what is left
+        for num_new, i, held in sorted(behind, key=lambda b: b[0]):
+            seq, k = wants[i]
+            new = seq.token_ids[len(held.tokens):len(held.tokens) + min(num_new, left)]
+            if not new:  # this step's catch-up is spent: it drafts in a later one
+                continue
+            left -= len(new)
+            catching_up = len(new) < num_new
             # room for the new tokens and the drafts fed back (all but the last)
-            total = keep + len(new) + (0 if catching_up else k - 1)
-            if not self._fit(held, total, drafting):
+            if not self._fit(held, len(held.tokens) + len(new) + (0 if catching_up else k - 1), drafting):
                 self.release(seq.request_id)
                 continue
-            del held.tokens[keep:]
             rows.append((-1 if catching_up else i, held, new))
         if not rows:
             return drafts

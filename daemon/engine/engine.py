@@ -445,7 +445,10 @@ class LLMEngine:
             elif model_room and (k := min(req.drafts.next(cost), room, model_room)) > 0:
                 wants.append((seq, k))  # (no more passes than the step has room for drafts)
         if wants:
-            found += zip([seq for seq, _ in wants], self.drafter.propose(wants))
+            # its catch-up (new prompts through the draft model) within the step's room too, in the
+            # draft model's tokens: it runs in this step's time, which prompt chunks beside it keep
+            catch_up = int(model_room / self.draft_pass_cost) if self.draft_pass_cost > 0 else None
+            found += zip([seq for seq, _ in wants], self.drafter.propose(wants, catch_up))
         for seq, draft in found:
             grammar = self._grammars.get(seq.request_id)
             seq.add_drafts(draft if grammar is None else draft[:grammar.valid_prefix(draft)])
