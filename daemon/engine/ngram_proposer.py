@@ -25,8 +25,8 @@ MAX_NGRAM = 4
 # (~3x a row's arithmetic), so a sequence alone drafts at most a pass less its own token (draft_limit),
 # and only after a match of 4 or more tokens (DraftLengths). MAX_DRAFT is the limit beside other sequences. On
 # `edit` at one stream, drafts of up to 7 after 4-token matches against 3 were ~8% faster with the
-# AVX-512 build's rows even with 4-row passes, ~13% with 8-row ones (alternated in process: README,
-# Speculative decoding). AVX2's rows cost more: a span of 8 rows alone cost 2.7x one row's whole engine
+# AVX-512 build's rows even with 4-row passes, ~13% with 8-row ones (alternated in process:
+# docs/speculative-decoding.md). AVX2's rows cost more: a span of 8 rows alone cost 2.7x one row's whole engine
 # step with 8-row passes, 3.6x with the 4-row ones it had before (at which 7 drafts did not pay).
 MAX_DRAFT = 3
 # A step costs a fixed part F (the weights' unpacking, the step's own overhead), a part A per sequence
