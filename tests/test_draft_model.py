@@ -114,11 +114,11 @@ def test_a_long_prompt_is_caught_up_in_pieces(dirs) -> None:
 
 
 def test_catch_up_is_bounded_per_step_and_drafting_sequences_go_first(dirs) -> None:
-    """The draft model brings in at most ``max_chunk`` tokens a step for all sequences together (and
-    at most ``catch_up`` when the engine gives less), the sequences a few tokens behind first: they
-    draft, and a new prompt takes what is left. Canary: each sequence had its own ``max_chunk``, so
-    new prompts arriving together put all of theirs in one step, and a sequence listed after a new
-    prompt could find the step's catch-up spent."""
+    """The draft model brings in at most ``max_chunk`` tokens a step for all the sequences far behind
+    together (new prompts; at most ``catch_up`` when the engine gives less), the fewest first; the
+    sequences a few tokens behind (their last verification's tokens, a probe's) come in whole and
+    draft whatever the bound. Canary: each sequence had its own ``max_chunk``, so new prompts
+    arriving together put all of theirs in one step."""
     draft = load_model(resolve_model(dirs["near"])).model
     drafter = DraftModel(draft, block_size=4, num_blocks=256, vocab_size=draft.config.vocab_size, max_chunk=16)
     passes: list[list[int]] = []
@@ -136,13 +136,46 @@ def test_catch_up_is_bounded_per_step_and_drafting_sequences_go_first(dirs) -> N
     b, c = Seq("b", repetitive(2, 30)), Seq("c", repetitive(3, 30))  # new prompts, listed first
     passes.clear()
     drafts = drafter.propose([(b, 3), (c, 3), (a, 3)])
-    assert [len(d) for d in drafts] == [0, 0, 3] and passes[0] == [2, 14]  # a's 2 first; 14 of b's; none of c's
+    assert [len(d) for d in drafts] == [0, 0, 3] and passes[0] == [2, 16]  # a's 2 first; 16 of b's; none of c's
     passes.clear()
-    assert drafter.propose([(b, 3), (c, 3)], catch_up=5) == [[], []] and passes == [[5]]
-    assert drafter.propose([(b, 3)], catch_up=0) == [[]] and passes == [[5]]  # nothing brought in
+    drafts = drafter.propose([(b, 3), (c, 3)], catch_up=5)  # b's last 14 whole (it drafts), 5 of c's
+    assert [len(d) for d in drafts] == [3, 0] and passes[0] == [14, 5]
+    passes.clear()
+    assert drafter.propose([(c, 3)], catch_up=0) == [[]] and passes == []  # nothing brought in
+    # however small the bound, sequences a few tokens behind draft every step (charged, those few
+    # took a small bound whole, and the last sequence listed never caught up)
+    for _ in range(3):
+        for s in (a, b):
+            s.token_ids = s.token_ids + [9]
+        assert [len(d) for d in drafter.propose([(a, 2), (b, 2)], catch_up=1)] == [2, 2]
     for rid in "abc":
         drafter.release(rid)
     assert drafter.pool.num_free_blocks == 256
+
+
+def test_a_sequence_that_does_not_fit_leaves_the_catch_up_to_others(dirs) -> None:
+    """A new prompt whose catch-up does not fit the draft pool is dropped without spending the step's
+    catch-up: the next one, which fits, takes it. Canary: the budget was charged before the blocks
+    were sought, and y brought in nothing."""
+    draft = load_model(resolve_model(dirs["near"])).model
+    drafter = DraftModel(draft, block_size=4, num_blocks=4, vocab_size=draft.config.vocab_size, max_chunk=16)
+    passes: list[list[int]] = []
+    forward = drafter._forward
+    drafter._forward = lambda rows, sample: passes.append([len(new) for _, new in rows]) or forward(rows, sample)
+
+    class Seq:
+        def __init__(self, rid: str, tokens: list[int]) -> None:
+            self.request_id, self.token_ids = rid, tokens
+
+    y = Seq("y", repetitive(2, 3))
+    assert [len(d) for d in drafter.propose([(y, 1)])] == [1]  # y holds its 3 tokens: one block
+    y.token_ids = repetitive(2, 20)  # 17 behind now
+    x = Seq("x", repetitive(4, 17))  # 17 behind: 13 of them need all 4 blocks, 3 are free
+    passes.clear()
+    assert drafter.propose([(x, 1), (y, 1)], catch_up=13) == [[], []]
+    assert passes == [[13]] and drafter.num_held == 1 and drafter.pool.num_free_blocks == 0  # y's 13: 3 blocks
+    drafter.release("y")
+    assert drafter.pool.num_free_blocks == 4
 
 
 def test_the_engine_bounds_catch_up_by_the_step_s_room(dirs) -> None:
@@ -155,7 +188,7 @@ def test_the_engine_bounds_catch_up_by_the_step_s_room(dirs) -> None:
     propose = engine.drafter.propose
 
     def recorded(wants, catch_up=None):
-        seen.append((engine.scheduler.room_for_drafts(), catch_up))
+        seen.append((engine.scheduler.room_for_drafts().tokens, catch_up))
         propose(wants, catch_up)
         return [[] for _ in wants]  # nothing verified: a keeps wanting drafts whatever the tiny draft says
 
@@ -202,7 +235,7 @@ def test_the_draft_model_waits_while_a_prompt_takes_the_budget(dirs) -> None:
     forward = engine.drafter._forward
     engine.drafter._forward = lambda rows, sample: (passes.append(len(rows)), forward(rows, sample))[1]
     engine.add_request("b", list(range(100, 160)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert engine.scheduler.room_for_drafts() == 0
+    assert engine.scheduler.room_for_drafts().tokens == 0
     engine.step()  # a's token and 7 of b's prompt
     assert passes == [] and engine.scheduler.running[1].num_computed_tokens == 7
     while engine.scheduler.running[1].num_computed_tokens < 60:

@@ -395,40 +395,64 @@ def test_room_for_drafts_is_what_the_step_leaves_them() -> None:
     prompt that admission will take fills the budget; the whole rest while a prompt waits that does
     not fit the pool (its blocks come back as the running sequences end, which drafts speed up)."""
     sched, a, b = two_decoding(num_blocks=64)  # 59 blocks free once b has its third: slots to spare
-    assert sched.room_for_drafts() == 64 - 2
+    assert sched.room_for_drafts().tokens == 64 - 2
     fits = add_all(sched, [make_seq("c", 8, owner="C")])[0]  # 2 blocks: admitted
-    assert sched.room_for_drafts() == 64 - 2 - 8
+    assert sched.room_for_drafts().tokens == 64 - 2 - 8
     long = add_all(sched, [make_seq("d", 300, owner="D")])[0]  # 75 blocks: waits
-    assert sched.room_for_drafts() == 64 - 2 - 8
+    assert sched.room_for_drafts().tokens == 64 - 2 - 8
     a.add_drafts([1, 2, 3])
     batch = sched.schedule()
     assert {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)} == {"a": 4, "b": 1, "c": 8}
     assert fits.status is SequenceStatus.RUNNING and long.status is SequenceStatus.WAITING
     big = make_scheduler(num_blocks=4096, block_size=4, max_batched_tokens=64)
     add_all(big, [make_seq("e", 100, owner="E")])
-    assert big.room_for_drafts() == 0  # a prompt that fits and fills the budget
+    assert big.room_for_drafts().tokens == 0  # a prompt that fits and fills the budget
 
 
 def test_room_for_drafts_is_capped_by_the_slots_drafts_would_get() -> None:
     """Drafts get KV slots last (schedule), so the room counts only the slots left past the
     sequences' own tokens and admission: a's blocks are full at its next token, b's third block
     (which its next token takes) has 3 slots past it, and each free block 4 more; a waiting prompt
-    admission takes, its blocks. Canary: the room was the token budget's alone (62 in every case),
-    so with the pool dry a draft model still ran its passes for drafts that got no slots."""
-    for num_blocks, room in ((5, 3), (6, 7), (7, 11)):
+    admission takes, its blocks. Each sequence's own room counts its spare slots, not another's: a
+    has none, so with the pool dry it has no room. Canary: the room was the token budget's alone
+    (62 in every case), so with the pool dry a draft model still ran its passes for drafts that got
+    no slots; then, the slots of all counted for each."""
+    for num_blocks, room, a_room in ((5, 3, 0), (6, 7, 4), (7, 11, 8)):
         sched, a, b = two_decoding(num_blocks=num_blocks)
-        assert sched.room_for_drafts() == room, num_blocks
-        a.add_drafts([1, 2, 3, 4, 5, 6, 7])
+        draft_room = sched.room_for_drafts()
+        assert (draft_room.tokens, draft_room.for_seq(a), draft_room.for_seq(b)) == (room, a_room, room), num_blocks
+        a.add_drafts(list(range(1, 1 + a_room)))
         b.add_drafts([1, 2, 3])
         batch = sched.schedule()
-        assert batch.num_tokens - 2 == min(room, 10) and sched.num_preemptions == 0, num_blocks
+        assert batch.num_tokens - 2 == a_room + 3 and a.num_draft_tokens == a_room and sched.num_preemptions == 0
     sched, a, b = two_decoding(num_blocks=7)
     add_all(sched, [make_seq("c", 8, owner="C")])  # takes the 2 free blocks at admission
-    assert sched.room_for_drafts() == 3
+    assert sched.room_for_drafts().tokens == 3
     one = make_scheduler(num_blocks=2, block_size=4, max_batched_tokens=64)
     add_all(one, [make_seq("x", 7, max_tokens=20)])
     step(one)  # its next token fills its second block, the last
-    assert one.room_for_drafts() == 0
+    assert one.room_for_drafts().tokens == 0
+
+
+def test_room_for_drafts_counts_a_waiting_prompt_s_prefix_cache_hits() -> None:
+    """A waiting prompt whose prefix is cached needs only its other blocks, as admission finds: the
+    room leaves it those, and no more than the pool keeps after it. Canary: its blocks were counted
+    whole (3), so it seemed not to fit, its last free block was counted for drafts, and admission
+    then took it: 7 tokens of room, 3 slots for a's drafts."""
+    config = SchedulerConfig(max_num_seqs=8, max_batched_tokens=64, max_model_len=256, step_seconds=None,
+                             lone_step_seconds=None)
+    sched = Scheduler(config, KVCacheManager(4, 4, prefix_cache=True))
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]
+    a = add_all(sched, [Sequence("a", list(shared), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                 owner="A")])[0]
+    assert step(sched) == {"a": 8}  # a holds 3 blocks (its next token starts the third); 1 free
+    w = add_all(sched, [Sequence("w", shared + [40, 41], SamplingParams(temperature=0, max_tokens=2,
+                                                                         ignore_eos=True), owner="W")])[0]
+    room = sched.room_for_drafts()  # w: 2 blocks cached (a's), 1 new: the last free one
+    assert (room.tokens, room.for_seq(a)) == (3, 3)
+    a.add_drafts([1, 2, 3, 4, 5, 6, 7][:room.for_seq(a)])
+    grants = {s.request_id: n for s, n in zip(*(lambda b: (b.seqs, b.num_new_tokens))(sched.schedule()))}
+    assert grants == {"a": 4, "w": 2} and w.status is SequenceStatus.RUNNING
 
 
 @pytest.mark.parametrize("name", ["step_seconds", "lone_step_seconds"])

@@ -15,10 +15,11 @@ whose K/V it holds; before drafting it brings them up to the sequence's tokens:
   of the draft model, batched across sequences (a decode step of the small model, on the CPU its
   fused native step).
 
-The tokens caught up in one step, all sequences together, are at most ``max_chunk`` (and what the
-engine's ``catch_up`` allows: the step's room for drafts, in the draft model's tokens): a sequence
-whose tokens are not all caught up does not draft this step, so new long prompts never stall the step
-that carries other sequences' tokens (another request's first one among them). When the pool runs
+The tokens caught up in one step for sequences more than SMALL_CATCH_UP behind (new prompts), all
+together, are at most ``max_chunk`` and what the engine's ``catch_up`` allows (the step's room for
+drafts, in the draft model's tokens), the fewest first: a sequence not yet caught up does not draft
+this step, so new long prompts never stall the step that carries other sequences' tokens (another
+request's first one among them). When the pool runs
 short, sequences not drafting now give their blocks back first; a sequence that still does not fit
 is not drafted this step (it decodes one token at a time), never an error.
 """
@@ -38,9 +39,14 @@ from llmd.daemon.engine.sequence import Sequence
 from llmd.daemon.model_config import ModelConfig
 from llmd.daemon.models import LlamaForCausalLM
 
-# Tokens of a sequence caught up per step before it drafts: bounds what a new long prompt adds to a
-# step (the draft model's prefill rides in the target's step).
+# Tokens caught up per step, all sequences together: bounds what new prompts add to a step (the draft
+# model's prefill rides in the target's step).
 MAX_CATCH_UP = 512
+# A sequence this few tokens behind is brought in whole, outside that bound: what one verification
+# adds (its accepted drafts and the model's own token) or the ~32 steps between a non-drafting
+# sequence's probes (DraftLength.probe_every). Charged, such rows could take a small step's whole
+# catch-up every step, leaving one sequence never caught up and never drafting; new prompts are longer.
+SMALL_CATCH_UP = 64
 
 
 def forward_cost(config: ModelConfig) -> float:
@@ -68,7 +74,7 @@ class DraftModel:
         block_size: tokens per block of its cache.
         num_blocks: blocks in its pool (the engine gives the target's count: the same tokens).
         vocab_size: the target's vocabulary; drafts are its ids (a draft head padded wider is cut).
-        max_chunk: tokens caught up per step (all sequences together) before they draft.
+        max_chunk: tokens caught up per step, all sequences more than SMALL_CATCH_UP behind together.
         cache_dtype: its KV cache's (default the model's; llmd.kernels.kv_format).
     """
 
@@ -116,8 +122,8 @@ class DraftModel:
 
     def propose(self, wants: list[tuple[Sequence, int]], catch_up: int | None = None) -> list[list[int]]:
         """Up to ``k`` draft tokens for each ``(sequence, k)``, in order (an empty list where it could
-        not draft this step); ``catch_up``: the most tokens to bring in this step, all sequences
-        together, if fewer than ``max_chunk``."""
+        not draft this step); ``catch_up``: the most tokens to bring in this step for sequences more
+        than SMALL_CATCH_UP behind, all together, if fewer than ``max_chunk``."""
         drafts: list[list[int]] = [[] for _ in wants]
         left = self.max_chunk if catch_up is None else max(0, min(self.max_chunk, catch_up))
         rows: list[tuple[int, _Held, list[int]]] = []  # (index in wants, held, its new tokens)
@@ -134,19 +140,21 @@ class DraftModel:
                 keep -= 1
             del held.tokens[keep:]  # (only the count: the rejected tail's slots are overwritten)
             behind.append((len(tokens) - keep, i, held))
-        # the fewest first: sequences a few tokens behind (the accepted drafts and the target's own
-        # token) draft this step, before a new prompt's catch-up takes what is left
+        # the fewest first: sequences a few tokens behind draft this step whatever the bound; new
+        # prompts share what it leaves, the shortest first (which then drafts soonest)
         for num_new, i, held in sorted(behind, key=lambda b: b[0]):
             seq, k = wants[i]
-            new = seq.token_ids[len(held.tokens):len(held.tokens) + min(num_new, left)]
+            charged = num_new > min(SMALL_CATCH_UP, self.max_chunk)  # (no row ever more than max_chunk)
+            new = seq.token_ids[len(held.tokens):len(held.tokens) + (min(num_new, left) if charged else num_new)]
             if not new:  # this step's catch-up is spent: it drafts in a later one
                 continue
-            left -= len(new)
             catching_up = len(new) < num_new
             # room for the new tokens and the drafts fed back (all but the last)
             if not self._fit(held, len(held.tokens) + len(new) + (0 if catching_up else k - 1), drafting):
                 self.release(seq.request_id)
                 continue
+            if charged:
+                left -= len(new)
             rows.append((-1 if catching_up else i, held, new))
         if not rows:
             return drafts

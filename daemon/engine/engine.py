@@ -422,7 +422,7 @@ class LLMEngine:
         # The draft model's passes run before the step is scheduled: not when prompt work will take
         # the budget and drop the drafts they made, slowing the step that carries another request's
         # first token for nothing. (Prompt lookup costs next to nothing; its drafts get what is left.)
-        model_room = self.scheduler.room_for_drafts() if self.drafter is not None else 0
+        model_room = self.scheduler.room_for_drafts() if self.drafter is not None else None
         wants: list[tuple[Sequence, int]] = []  # the draft model's: sequences and how many tokens
         found: list[tuple[Sequence, list[int]]] = []  # prompt lookup's: sequences and their drafts
         for seq in self.scheduler.running:
@@ -442,12 +442,14 @@ class LLMEngine:
                 draft, match = lookup(req.history.view(seq.token_ids), min(room, limit))
                 if (k := req.drafts.next(match, cost) if draft else 0) > 0:
                     found.append((seq, draft[:k]))
-            elif model_room and (k := min(req.drafts.next(cost), room, model_room)) > 0:
-                wants.append((seq, k))  # (no more passes than the step has room for drafts)
+            elif model_room is not None and model_room.tokens and (
+                    k := min(req.drafts.next(cost), room, model_room.for_seq(seq))) > 0:
+                wants.append((seq, k))  # (no more passes than the step has room for its drafts)
         if wants:
-            # its catch-up (new prompts through the draft model) within the step's room too, in the
-            # draft model's tokens: it runs in this step's time, which prompt chunks beside it keep
-            catch_up = int(model_room / self.draft_pass_cost) if self.draft_pass_cost > 0 else None
+            # Its catch-up (new prompts through the draft model) runs in this step's time too, which
+            # prompt chunks beside it keep: at most what the step's room for drafts costs, in the
+            # draft model's tokens. (Its k passes for drafting rows are priced in ``cost`` instead.)
+            catch_up = int(model_room.tokens / self.draft_pass_cost) if self.draft_pass_cost > 0 else None
             found += zip([seq for seq, _ in wants], self.drafter.propose(wants, catch_up))
         for seq, draft in found:
             grammar = self._grammars.get(seq.request_id)

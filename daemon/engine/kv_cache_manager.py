@@ -99,18 +99,26 @@ class KVCacheManager:
             The newly allocated blocks (possibly empty), or None if the pool cannot provide them.
         """
         computed_blocks = computed_blocks or []
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = max(0, num_required - len(seq.block_ids) - len(computed_blocks))
-        # Touching a free cached block takes it out of the free queue too.
-        num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_reclaimed > self.pool.num_free_blocks:
+        num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed_blocks)
+        if self.blocks_needed(seq, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
             return None
         self.pool.touch(computed_blocks)
         seq.block_ids.extend(b.block_id for b in computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         seq.block_ids.extend(b.block_id for b in new_blocks)
         return new_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block] | None = None) -> int:
+        """The free blocks :meth:`allocate_slots` would take for the same arguments: new ones, and
+        the free cached blocks among ``computed_blocks`` (touching one takes it out of the free queue)."""
+        computed_blocks = computed_blocks or []
+        num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return self._num_new_blocks(seq, num_new_tokens, computed_blocks) + num_reclaimed
+
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block]) -> int:
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        return max(0, num_required - len(seq.block_ids) - len(computed_blocks))
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Index the blocks that are full and computed (call after each step that computed them)."""

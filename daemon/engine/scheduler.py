@@ -132,6 +132,35 @@ def _place(seq: Sequence) -> tuple[int, float]:
     return -seq.priority, seq.timings.arrival
 
 
+def _spare_slots(seq: Sequence, block_size: int) -> tuple[int, int]:
+    """A decoding sequence's KV slots past its own next token once it has them, and the new blocks
+    that token takes (none, or one at a block's edge)."""
+    spare = len(seq.block_ids) * block_size - (seq.num_computed_tokens + 1)
+    need = -(-max(-spare, 0) // block_size)
+    return spare + need * block_size, need
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRoom:
+    """What the next step leaves for draft tokens (:meth:`Scheduler.room_for_drafts`).
+
+    Attributes:
+        tokens: draft tokens the step could verify in all.
+        free_slots: KV slots in the blocks the pool keeps after the sequences' own tokens and
+            admission: what any sequence's drafts may take beyond its own blocks.
+        block_size: tokens per KV block.
+    """
+
+    tokens: int
+    free_slots: int
+    block_size: int
+
+    def for_seq(self, seq: Sequence) -> int:
+        """The drafts ``seq`` could verify: the step's room, and the slots its own blocks have past
+        its next token and the pool's (another sequence's spare slots are not its)."""
+        return min(self.tokens, _spare_slots(seq, self.block_size)[0] + self.free_slots)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
@@ -216,34 +245,36 @@ class Scheduler:
         self._scheduled_at = time.monotonic()
         return batch
 
-    def room_for_drafts(self) -> int:
+    def room_for_drafts(self) -> DraftRoom:
         """About how many draft tokens the next step could verify, as :meth:`schedule` will share
-        its budget: what is left after the running sequences' own tokens and, paced, the prompt work:
-        unfinished prompts, and the waiting ones admission would take (a seat free, their blocks in
-        the pool, prefix-cache hits not counted, not held back behind a blocker). A prompt waiting
-        for blocks takes nothing from the drafts, which speed the sequences whose end frees them.
-
-        Drafts also need KV slots, which :meth:`schedule` gives them last, so the room is capped by
-        the slots left in the decoding sequences' blocks past their own tokens and in the blocks the
-        pool keeps after those tokens' and admission's: with the pool dry, a draft model's passes
-        made drafts that got no slots. (The cap is the step's, not each sequence's.)"""
+        its budget and the pool: the tokens left after the running sequences' own and, paced, the
+        prompt work: unfinished prompts, and the waiting ones admission would take (a seat free,
+        their blocks in the pool after their prefix-cache hits, not held back behind a blocker). A
+        prompt waiting for blocks takes nothing from the drafts, which speed the sequences whose end
+        frees them. Drafts get their KV slots last, so the room also counts the slots left: in each
+        decoding sequence's blocks past its own token, and in the blocks the pool keeps after those
+        tokens' and admission's (with the pool dry, a draft model's passes made drafts that got
+        no slots)."""
         bs = self.kv.block_size
-        decodes, slack, own_blocks = 0, 0, 0
+        decodes, spare_slots, own_blocks = 0, 0, 0
         for seq in self.running:
             if _is_decode(seq):
-                spare = len(seq.block_ids) * bs - (seq.num_computed_tokens + 1)  # slots past its own token
-                need = -(-max(-spare, 0) // bs)  # blocks its own token takes first (_make_room)
-                decodes, slack, own_blocks = decodes + 1, slack + spare + need * bs, own_blocks + need
+                spare, need = _spare_slots(seq, bs)
+                decodes, spare_slots, own_blocks = decodes + 1, spare_slots + spare, own_blocks + need
         prompts = sum(_num_left(seq) for seq in self.running if not _is_decode(seq))
         seats, blocker = self.config.max_num_seqs - len(self.running), self._blocker
         free = self.kv.pool.num_free_blocks - own_blocks
         for seq in sorted(self.waiting, key=_place):
-            need = -(-_num_left(seq) // bs)
-            if seats and need <= free and (blocker is None or seq is blocker or seq.priority > blocker.priority):
-                prompts, seats, free = prompts + _num_left(seq), seats - 1, free - need
+            if not seats or (blocker is not None and seq is not blocker and seq.priority <= blocker.priority):
+                continue
+            hits, num_cached = self.kv.get_computed_blocks(seq)  # (as _admit will find them)
+            need = self.kv.blocks_needed(seq, seq.num_tokens - num_cached, hits)
+            if need <= free:
+                prompts, seats, free = prompts + seq.num_tokens - num_cached, seats - 1, free - need
         budget = max(0, self.config.max_batched_tokens - decodes)
-        room = budget if not prompts else max(0, min(budget, self._paced_tokens()) - prompts)
-        return min(room, slack + max(free, 0) * bs)
+        tokens = budget if not prompts else max(0, min(budget, self._paced_tokens()) - prompts)
+        free_slots = max(free, 0) * bs
+        return DraftRoom(min(tokens, spare_slots + free_slots), free_slots, bs)
 
     def _paced_tokens(self) -> int:
         """The prompt tokens the next step may take to end in time (module docstring)."""
