@@ -113,22 +113,32 @@ def test_a_long_prompt_is_caught_up_in_pieces(dirs) -> None:
     assert_nothing_held(engine)
 
 
+class Seq:
+    """What DraftModel.propose reads of a Sequence."""
+
+    def __init__(self, rid: str, tokens: list[int]) -> None:
+        self.request_id, self.token_ids = rid, tokens
+
+
+def recording_drafter(dirs: dict[str, Path], num_blocks: int, max_chunk: int = 16) -> tuple[DraftModel, list[list[int]]]:
+    """The "near" draft model in a pool of ``num_blocks`` blocks of 4, and the list its passes record
+    themselves in: each pass, the number of tokens each row brought in."""
+    draft = load_model(resolve_model(dirs["near"])).model
+    drafter = DraftModel(draft, block_size=4, num_blocks=num_blocks, vocab_size=draft.config.vocab_size,
+                         max_chunk=max_chunk)
+    passes: list[list[int]] = []
+    forward = drafter._forward
+    drafter._forward = lambda rows, sample: passes.append([len(new) for _, new in rows]) or forward(rows, sample)
+    return drafter, passes
+
+
 def test_catch_up_is_bounded_per_step_and_drafting_sequences_go_first(dirs) -> None:
     """The draft model brings in at most ``max_chunk`` tokens a step for all the sequences far behind
     together (new prompts; at most ``catch_up`` when the engine gives less), the fewest first; the
     sequences a few tokens behind (their last verification's tokens, a probe's) come in whole and
     draft whatever the bound. Canary: each sequence had its own ``max_chunk``, so new prompts
     arriving together put all of theirs in one step."""
-    draft = load_model(resolve_model(dirs["near"])).model
-    drafter = DraftModel(draft, block_size=4, num_blocks=256, vocab_size=draft.config.vocab_size, max_chunk=16)
-    passes: list[list[int]] = []
-    forward = drafter._forward
-    drafter._forward = lambda rows, sample: passes.append([len(new) for _, new in rows]) or forward(rows, sample)
-
-    class Seq:
-        def __init__(self, rid: str, tokens: list[int]) -> None:
-            self.request_id, self.token_ids = rid, tokens
-
+    drafter, passes = recording_drafter(dirs, num_blocks=256)
     a = Seq("a", repetitive(1, 20))
     assert drafter.propose([(a, 3)]) == [[]] and passes == [[16]]  # caught up 16 of 20: no draft yet
     assert [len(d) for d in drafter.propose([(a, 3)])] == [3]  # the last 4, then its drafts
@@ -157,16 +167,7 @@ def test_a_sequence_that_does_not_fit_leaves_the_catch_up_to_others(dirs) -> Non
     """A new prompt whose catch-up does not fit the draft pool is dropped without spending the step's
     catch-up: the next one, which fits, takes it. Canary: the budget was charged before the blocks
     were sought, and y brought in nothing."""
-    draft = load_model(resolve_model(dirs["near"])).model
-    drafter = DraftModel(draft, block_size=4, num_blocks=4, vocab_size=draft.config.vocab_size, max_chunk=16)
-    passes: list[list[int]] = []
-    forward = drafter._forward
-    drafter._forward = lambda rows, sample: passes.append([len(new) for _, new in rows]) or forward(rows, sample)
-
-    class Seq:
-        def __init__(self, rid: str, tokens: list[int]) -> None:
-            self.request_id, self.token_ids = rid, tokens
-
+    drafter, passes = recording_drafter(dirs, num_blocks=4)
     y = Seq("y", repetitive(2, 3))
     assert [len(d) for d in drafter.propose([(y, 1)])] == [1]  # y holds its 3 tokens: one block
     y.token_ids = repetitive(2, 20)  # 17 behind now
