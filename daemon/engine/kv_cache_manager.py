@@ -31,6 +31,11 @@ class KVCacheUsage:
         return self.num_used / self.num_blocks
 
 
+def _num_reclaimed(computed_blocks: list[Block]) -> int:
+    """The free cached blocks among a prefix hit's: touching one takes it out of the free queue too."""
+    return sum(1 for b in computed_blocks if b.ref_cnt == 0)
+
+
 def hash_block(parent: bytes, token_ids: tuple[int, ...] | list[int]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
@@ -100,7 +105,7 @@ class KVCacheManager:
         """
         computed_blocks = computed_blocks or []
         num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed_blocks)
-        if self.blocks_needed(seq, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
+        if num_new_blocks + _num_reclaimed(computed_blocks) > self.pool.num_free_blocks:
             return None
         self.pool.touch(computed_blocks)
         seq.block_ids.extend(b.block_id for b in computed_blocks)
@@ -110,10 +115,9 @@ class KVCacheManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block] | None = None) -> int:
         """The free blocks :meth:`allocate_slots` would take for the same arguments: new ones, and
-        the free cached blocks among ``computed_blocks`` (touching one takes it out of the free queue)."""
+        the free cached blocks among ``computed_blocks``."""
         computed_blocks = computed_blocks or []
-        num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        return self._num_new_blocks(seq, num_new_tokens, computed_blocks) + num_reclaimed
+        return self._num_new_blocks(seq, num_new_tokens, computed_blocks) + _num_reclaimed(computed_blocks)
 
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block]) -> int:
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
